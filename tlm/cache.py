@@ -1,0 +1,58 @@
+"""TLMCache: one cache object for every mixer.
+
+Each layer owns a dict of named slots: attention layers keep post-RoPE ``key``/``value`` of shape (B, K, T, Dh);
+Titans layers add ``memory`` (the neural memory's state dict); Hope layers add ``cms`` (fast weights and the
+partial-chunk buffer). Mixers read and write their own slots; the model only counts tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TLMCache:
+    """Per-layer named state for incremental decoding (see module docstring)."""
+
+    is_compileable = False  # read by transformers' generation utilities
+
+    def __init__(self, num_layers: int):
+        self.layers: list[dict] = [{} for _ in range(num_layers)]
+        self.seen_tokens = 0
+
+    # -- attention -------------------------------------------------------------------------------------
+    def update_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        """Append (B, K, N, Dh) keys/values for a layer; return the full (B, K, T, Dh) keys/values."""
+        slot = self.layers[layer_idx]
+        if "key" in slot:
+            key = torch.cat([slot["key"], key], dim=2)
+            value = torch.cat([slot["value"], value], dim=2)
+        slot["key"], slot["value"] = key, value
+        return key, value
+
+    # -- transformers' Cache surface used by generate() ----------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    @property
+    def is_linear(self) -> list[bool]:  # generate() asks whether any layer is a plain KV layer
+        return [False for _ in self.layers]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder every batched tensor for beam search (states are batch-first tensors or nests of them)."""
+        self.layers = [_map_tensors(slot, lambda t: t.index_select(0, beam_idx.to(t.device))) for slot in self.layers]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+__all__ = ["TLMCache"]

@@ -1,0 +1,52 @@
+"""The mixer registry: ``MIXERS[name](config, layer_idx)`` builds a layer's token mixer.
+
+Every mixer follows the contract written in ``attention.py`` and lives at ``layers[i].self_attn``, so checkpoint
+key paths never depend on the mixer. ``build_mlp`` builds the layer's feed-forward block from
+``config.intermediate_sizes[i]`` — the only place the taper enters (Hope layers get a continuum memory of that
+width; Titans' memory MLP is part of the mixer and is never tapered).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .attention import Attention, GatedAttention
+from .cms import ContinuumMemory
+from .mlp import GatedMLP, PlainMLP
+from .titans_attention import TitansAttention
+
+MIXERS: dict[str, type[nn.Module]] = {
+    "attention": Attention,
+    "gated_attention": GatedAttention,
+    "hope_attention": Attention,  # Hope = softmax attention + a continuum-memory MLP (see build_mlp)
+    "titans": TitansAttention,
+}
+
+
+def build_mixer(config, layer_idx: int) -> nn.Module:
+    name = config.mixer[layer_idx]
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r}; expected one of {', '.join(MIXERS)}")
+    return MIXERS[name](config, layer_idx)
+
+
+def build_mlp(config, layer_idx: int) -> nn.Module:
+    width = config.intermediate_sizes[layer_idx]
+    if config.mixer[layer_idx] == "hope_attention":
+        return ContinuumMemory(
+            config.hidden_size,
+            width,
+            shares=config.hope_level_shares,
+            modes=config.hope_level_modes,
+            topology=config.hope_topology,
+            chunk_size=config.hope_chunk_size,
+            inner_lr=config.hope_inner_lr,
+            hidden_act=config.hidden_act,
+            norm_eps=config.norm_eps,
+        )
+    if config.mlp_gated:
+        return GatedMLP(config.hidden_size, width, config.hidden_act, bias=config.mlp_bias)
+    return PlainMLP(config.hidden_size, width, config.hidden_act, bias=config.mlp_bias)
+
+
+__all__ = ["MIXERS", "build_mixer", "build_mlp"]

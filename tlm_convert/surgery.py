@@ -1,0 +1,129 @@
+"""MLP width surgery: a pure function (config, state_dict, plan) -> (config, state_dict).
+
+A neuron j of layer l is the triple (row j of ``gate_proj``, row j of ``up_proj``, column j of ``down_proj``)
+(GPT-2's ungated MLP: row j of ``up_proj`` with its bias entry, column j of ``down_proj``). Shrinking keeps the
+listed neurons in their original order; growing appends new neurons initialised by ``grow_init``:
+
+* ``noise`` (default): input rows drawn at the RMS of the layer's rows, output columns at ``noise_scale`` times
+  the RMS of the existing columns — the output barely moves and every new neuron gets gradients at once;
+* ``zero``: the same input rows, zero output columns — exactly function-preserving;
+* ``split``: Net2Net — copy the most important neurons, halve the copied output column between the twins
+  (exact; twins stay symmetric under training, so use it as an ablation).
+
+The caller builds ``TLMForCausalLM(new_config)`` and loads the returned state dict with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+GROW_INITS = ("noise", "zero", "split")
+
+
+@dataclass
+class LayerPlan:
+    """What happens to one layer: the kept source neurons (ascending) and how many new ones are appended."""
+
+    keep: list[int]
+    grow: int = 0
+    split_from: list[int] = field(default_factory=list)  # for grow_init="split": source neurons to copy
+    down_override: torch.Tensor | None = None  # a refitted down projection (d, width) for a shrinking layer
+
+    @property
+    def width(self) -> int:
+        return len(self.keep) + self.grow
+
+
+def plan_from_scores(scores: list[torch.Tensor], widths: list[int]) -> list[LayerPlan]:
+    """Shrinking layers keep their top-scored neurons; growing layers keep all and copy the top ones for split."""
+    plans = []
+    for score, width in zip(scores, widths):
+        n = score.numel()
+        order = _rank(score)  # most important first, ties by index
+        if width <= n:
+            plans.append(LayerPlan(keep=sorted(order[:width].tolist())))
+        else:
+            grow = width - n
+            plans.append(LayerPlan(keep=list(range(n)), grow=grow, split_from=order[: min(grow, n)].tolist()))
+    return plans
+
+
+def _rank(score: torch.Tensor) -> torch.Tensor:
+    # stable descending sort: equal scores keep index order, so plans are reproducible
+    return torch.sort(-score.double(), stable=True).indices
+
+
+def resize_mlp(config, state_dict: dict, plans: list[LayerPlan], grow_init: str = "noise",
+               noise_scale: float = 1e-2, seed: int = 0) -> tuple[object, dict]:
+    """Apply per-layer plans to the MLP tensors; return a new config (widths updated) and a new state dict."""
+    if grow_init not in GROW_INITS:
+        raise ValueError(f"grow_init={grow_init!r}: expected one of {', '.join(GROW_INITS)}")
+    if len(plans) != config.num_hidden_layers:
+        raise ValueError(f"{len(plans)} layer plans for a model with num_hidden_layers={config.num_hidden_layers}")
+    out = dict(state_dict)
+    for i, plan in enumerate(plans):
+        out.update(resize_layer(state_dict, i, plan, grow_init, noise_scale, seed, config.mlp_gated))
+    new_config = copy.deepcopy(config)
+    new_config.intermediate_sizes = [p.width for p in plans]
+    new_config.schedule = "explicit"
+    return new_config, out
+
+
+def resize_layer(sd: dict, layer_idx: int, plan: LayerPlan, grow_init: str = "noise", noise_scale: float = 1e-2,
+                 seed: int = 0, gated: bool = True) -> dict:
+    """The resized MLP tensors of one layer (same keys as in ``sd``); new neurons draw from a per-layer seed."""
+    prefix = f"model.layers.{layer_idx}.mlp."
+    gen = torch.Generator().manual_seed(seed * 100_003 + layer_idx)
+    rows = ["gate_proj", "up_proj"] if gated else ["up_proj"]
+    keep = torch.tensor(plan.keep, dtype=torch.long)
+    new = {}
+    for name in rows:  # neuron = a row of the input projections (and its bias entry)
+        w = sd[prefix + name + ".weight"]
+        new[prefix + name + ".weight"] = torch.cat([w[keep], _new_rows(w, plan, grow_init, gen)])
+        if prefix + name + ".bias" in sd:
+            b = sd[prefix + name + ".bias"]
+            extra = b[plan.split_from[: plan.grow]] if grow_init == "split" else b.new_zeros(plan.grow)
+            new[prefix + name + ".bias"] = torch.cat([b[keep], extra])
+    down = sd[prefix + "down_proj.weight"]  # (d, I)
+    if plan.down_override is not None:
+        new[prefix + "down_proj.weight"] = plan.down_override.to(down.dtype)
+    else:
+        new[prefix + "down_proj.weight"] = _new_down(down, keep, plan, grow_init, noise_scale, gen)
+    return new
+
+
+def _new_rows(w, plan, grow_init, gen):
+    if plan.grow == 0:
+        return w[:0]
+    if grow_init == "split":
+        return w[_split_sources(plan)]
+    rms = w.float().pow(2).mean().sqrt()
+    return (torch.randn(plan.grow, w.shape[1], generator=gen) * rms).to(w.dtype)
+
+
+def _split_sources(plan) -> torch.Tensor:
+    src = plan.split_from
+    return torch.tensor([src[k % len(src)] for k in range(plan.grow)], dtype=torch.long)
+
+
+def _new_down(down, keep, plan, grow_init, noise_scale, gen):
+    kept = down[:, keep]
+    if plan.grow == 0:
+        return kept
+    if grow_init == "zero":
+        return torch.cat([kept, down.new_zeros(down.shape[0], plan.grow)], 1)
+    if grow_init == "noise":
+        rms = down.float().pow(2).mean().sqrt()
+        cols = torch.randn(down.shape[0], plan.grow, generator=gen) * rms * noise_scale
+        return torch.cat([kept, cols.to(down.dtype)], 1)
+    # split: every copy of neuron m shares its column equally with the original
+    src = _split_sources(plan)
+    copies = torch.bincount(src, minlength=down.shape[1]).to(down.dtype) + 1  # (I,) twins per source neuron
+    scaled = down / copies  # (d, I)
+    return torch.cat([scaled[:, keep], scaled[:, src]], 1)
+
+
+__all__ = ["LayerPlan", "plan_from_scores", "resize_mlp", "resize_layer", "GROW_INITS"]

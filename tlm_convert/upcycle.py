@@ -1,0 +1,69 @@
+"""Upcycle attention layers into another mixer with a function-preserving init (the logits do not move).
+
+* ``gated_attention``: gate weights and bias 0 (G ≡ ½) and ``o_proj`` doubled.
+* ``titans``: the memory branch from a fresh (seeded) init, its combine ``memory_gate`` at 0 (gate ≡ 1).
+* ``hope_attention``: the continuum memory in "sum" topology with the layer's MLP neurons partitioned across its
+  levels (a SwiGLU output is a sum over neurons, so this is exact), the most important neurons going to the
+  slowest (last) level, and the in-context learning rate 0 (ramp it up during continued pretraining).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tlm import TLMConfig, TLMForCausalLM
+from tlm.cms import split_level_widths
+
+from .errors import ConversionError
+
+
+def upcycle(config: TLMConfig, state_dict: dict, mixer: str, scores: list[torch.Tensor] | None = None,
+            seed: int = 0) -> tuple[TLMConfig, dict]:
+    """(config, state_dict) of an attention TLM -> the same function with every layer's mixer set to ``mixer``."""
+    if mixer == "attention":
+        return config, state_dict
+    if any(m != "attention" for m in config.mixer):
+        raise ConversionError(f"--mixer {mixer} upcycles attention layers only; this model has {sorted(set(config.mixer))}")
+    if mixer == "hope_attention" and (config.mlp_bias or not config.mlp_gated):
+        raise ConversionError("--mixer hope_attention needs a gated MLP without biases (Llama, Qwen, Gemma); "
+                              "GPT-2-style MLPs cannot be split into continuum-memory levels")
+    new_config = copy.deepcopy(config)
+    new_config.mixer = [mixer] * config.num_hidden_layers
+    if mixer == "hope_attention":
+        new_config.hope_topology, new_config.hope_inner_lr = "sum", 0.0
+    torch.manual_seed(seed)
+    fresh = TLMForCausalLM(new_config).state_dict()  # the new mixer parts, seeded
+    out = {k: v for k, v in state_dict.items()}
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        if mixer == "gated_attention":
+            out[prefix + "self_attn.gate_proj.weight"] = torch.zeros_like(fresh[prefix + "self_attn.gate_proj.weight"])
+            out[prefix + "self_attn.gate_proj.bias"] = torch.zeros_like(fresh[prefix + "self_attn.gate_proj.bias"])
+            out[prefix + "self_attn.o_proj.weight"] = 2 * state_dict[prefix + "self_attn.o_proj.weight"]
+        elif mixer == "titans":
+            for key, value in fresh.items():
+                if key.startswith(prefix + "self_attn.memory"):
+                    out[key] = torch.zeros_like(value) if "memory_gate" in key else value
+        else:
+            layer_scores = scores[i] if scores is not None else None
+            out = {k: v for k, v in out.items() if not k.startswith(prefix + "mlp.")}
+            out.update(_split_mlp(state_dict, prefix, new_config, config.intermediate_sizes[i], layer_scores))
+    return new_config, out
+
+
+def _split_mlp(sd, prefix, config, width, scores) -> dict:
+    widths = split_level_widths(width, config.hope_level_shares)
+    order = torch.arange(width) if scores is None or scores.numel() != width else torch.sort(scores, stable=True).indices
+    new, start = {}, 0
+    for level, w in enumerate(widths):  # least important first: the last (slowest, static) level gets the top neurons
+        idx = order[start : start + w].sort().values
+        start += w
+        for name in ("gate_proj", "up_proj"):
+            new[f"{prefix}mlp.levels.{level}.{name}.weight"] = sd[f"{prefix}mlp.{name}.weight"][idx]
+        new[f"{prefix}mlp.levels.{level}.down_proj.weight"] = sd[f"{prefix}mlp.down_proj.weight"][:, idx]
+    return new
+
+
+__all__ = ["upcycle"]
