@@ -294,7 +294,8 @@ def _tokenizer(folder):
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
+    fast.save_pretrained(folder)
 
 
 def test_load_taper_export_with_tokenizer(tmp_path):
@@ -317,8 +318,15 @@ def test_load_taper_export_with_tokenizer(tmp_path):
     config = tlm_config_from_hf(source.hf_config, intermediate_sizes=widths)
     tlm = TLMForCausalLM(config).eval()
     tlm.load_state_dict(state, strict=True)
-    for fmt in ("tlm", "hf"):
+    ref = _logits(tlm)
+    for fmt in ("tlm", "hf", "padded"):
         out = export_model(tlm, tmp_path / fmt, fmt, source)
         assert AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]
         assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 7
-        assert (_logits(_load(out, trust_remote_code=True)) - _logits(tlm)).abs().max() <= TOL
+        assert (_logits(_load(out, trust_remote_code=True)) - ref).abs().max() <= TOL
+    again = load_source(tmp_path / "tlm")  # an export is a valid source again
+    assert again.kind == "tlm" and again.tlm_config.intermediate_sizes == widths
+    padded = load_source(tmp_path / "padded")
+    assert padded.tlm_config.intermediate_sizes == [37] * 3 and padded.tokenizer_source == str(tmp_path / "padded")
+    with pytest.raises(ConversionError, match="has per-layer widths"):
+        load_source(tmp_path / "hf")

@@ -355,6 +355,7 @@ class NeuralMemory(nn.Module):
       chunk_pos    int      tokens already consumed in the current chunk (chunks are absolute positions)
       conv         (q, k, v) tails, each (B,K−1,H·D): the last K−1 pre-conv projections (zeros before t=0)
     Flat weight layout P: layer by layer, each (o, n) row-major, in the order of `memory_shapes`.
+    The state keeps the autograd graph of the call that made it: detach it between training windows.
     """
 
     def __init__(
@@ -396,7 +397,7 @@ class NeuralMemory(nn.Module):
 
         q/k/v projections: nn.Linear default. Convs: identity (last tap 1, other taps 0, bias 0), so the conv is
         a no-op at init. Gates: weights N(0, 0.02), biases b_θ = 0 (θ = θ_max/2), b_η = 0 (η = 1/2),
-        b_α = −4 (α ≈ 0.018). Memory M_0: N(0, 1/fan_in) per layer. Output norm gain 1.
+        b_α = −4 (α ≈ 0.018). Memory M_0: N(0, std 1/√fan_in) per layer. Output norm gain 1.
         """
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             proj.reset_parameters()

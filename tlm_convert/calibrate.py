@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .compensate import refit_down_proj
+from .compensate import obs_prune, refit_down_proj
 from .importance import activation_stats, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
@@ -56,15 +56,19 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
         shrinking = width < source_width
         with timer("calibrate"):
             mixed = [_mix(base, layer, h, p) for h, p in zip(hidden, positions)]
-            with activation_stats(layer.mlp.down_proj, gram=shrinking and refit) as stats:
+            with activation_stats(layer.mlp.down_proj, gram=shrinking and (refit or importance == "obs")) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
         with timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if hasattr(layer.mlp, n)}
             score = neuron_scores(importance, stats, weights, seed=seed + i)
-            plan = plan_from_scores([score], [width])[0]
-            if shrinking and refit:
-                plan.down_override = refit_down_proj(stats.gram, weights["down_proj"], plan.keep, damp=damp)
+            if shrinking and importance == "obs":
+                keep, down = obs_prune(stats.gram, weights["down_proj"], width, damp=damp)
+                plan = LayerPlan(keep=keep, down_override=down)
+            else:
+                plan = plan_from_scores([score], [width])[0]
+                if shrinking and refit:
+                    plan.down_override = refit_down_proj(stats.gram, weights["down_proj"], plan.keep, damp=damp)
         if width != source_width:
             with timer("resize"):
                 _resize_in_place(layer, i, plan, cfg, grow_init, noise_scale, seed)

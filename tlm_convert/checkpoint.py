@@ -32,7 +32,14 @@ import torch
 
 from tlm import TLMConfig, TLMForCausalLM
 
-from .archs import SUPPORTED_ARCHITECTURES, canonical_source_state_dict, family_of, tlm_config_from_hf, tlm_state_dict_from_hf
+from .archs import (
+    DROPPED_TENSORS,
+    SUPPORTED_ARCHITECTURES,
+    canonical_source_state_dict,
+    family_of,
+    tlm_config_from_hf,
+    tlm_state_dict_from_hf,
+)
 from .errors import ConversionError, one_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -169,13 +176,20 @@ def _safetensors_loader(handle, file, name):
     return load
 
 
-def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                        check_finite: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None, check_finite: bool = True,
+                        exempt: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(source name, tensor) for every tensor of a transformers or TLM checkpoint folder, one at a time.
 
     Safetensors are read tensor by tensor; a .bin shard is memory-mapped and released before the next one.
-    Floating tensors are cast to ``dtype`` when given; with ``check_finite`` the first NaN/Inf tensor raises.
+    Floating tensors are cast to ``dtype`` when given; with ``check_finite`` the first NaN/Inf tensor raises,
+    except for names that fully match one of the ``exempt`` regular expressions (buffers the import drops).
     """
+    patterns = [re.compile(p) for p in exempt]
+
+    def prepare(name, tensor, file):
+        checked = check_finite and not any(p.fullmatch(name) for p in patterns)
+        return _prepare(name, tensor, file, dtype, checked)
+
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         raise ConversionError(f"'{path}' is a GGUF file, which is read whole (dequantised by transformers); "
@@ -191,11 +205,11 @@ def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = Non
         for file in files:
             shard = lazy if lazy is not None else open_safetensors_lazy(file)
             for name in shard:
-                yield name, _prepare(name, shard[name], file, dtype, check_finite)
+                yield name, prepare(name, shard[name], file)
         return
     for file in files:
         for name, tensor in _load_bin(file).items():
-            yield name, _prepare(name, tensor, file, dtype, check_finite)
+            yield name, prepare(name, tensor, file)
 
 
 def _prepare(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None, check_finite: bool) -> torch.Tensor:
@@ -269,8 +283,17 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def _read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return dict(iter_source_tensors(folder, dtype=dtype, check_finite=True))
+def _read_state_dict(folder: Path, dtype: torch.dtype, family: str | None = None) -> dict[str, torch.Tensor]:
+    exempt = _UNUSED_TENSORS.get(family, ())
+    return dict(iter_source_tensors(folder, dtype=dtype, check_finite=True, exempt=exempt))
+
+
+# tensors the import drops (archs.DROPPED_TENSORS, in every file spelling): their values do not matter
+_UNUSED_TENSORS = {
+    family: patterns + {"gpt2": (r"h\.\d+\.attn\.(bias|masked_bias)",),
+                        "gemma3": (r"(model\.)?(vision_tower|multi_modal_projector)\..*",)}.get(family, ())
+    for family, patterns in DROPPED_TENSORS.items()
+}
 
 
 # ================================================================================================ load_source
@@ -382,7 +405,7 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
         raise ConversionError(f"'{path}' has per-layer widths (per_layer_config, a tapered --export hf view); "
                               "convert its --export tlm or --export padded view instead")
     weight_files(path)  # "config without weights" before anything is read
-    tensors = _read_state_dict(path, dtype)
+    tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
     return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
                     generation_config=_generation_config(path))
 

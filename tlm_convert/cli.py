@@ -53,7 +53,7 @@ def _quiet_libraries() -> None:
 @click.option("--calibration-tokens", type=int, default=32768, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--importance", default="activation", show_default=True,
-              type=click.Choice(["activation", "wanda_sp", "wifv", "magnitude", "random"]))
+              type=click.Choice(["activation", "obs", "wanda_sp", "wifv", "magnitude", "random"]))
 @click.option("--grow-init", default="noise", show_default=True, type=click.Choice(["noise", "zero", "split"]))
 @click.option("--refit/--no-refit", default=True, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")

@@ -29,4 +29,30 @@ def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], dam
     return solution.T.to(down.dtype).contiguous()
 
 
-__all__ = ["refit_down_proj"]
+__all__ = ["refit_down_proj", "obs_prune"]
+
+
+def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 0.01) -> tuple[list[int], torch.Tensor]:
+    """Greedy structured Optimal Brain Surgeon: remove neurons one at a time, always the one whose removal (with
+    the optimal least-squares compensation of the others) costs least, ‖d_j‖² / [G⁻¹]_jj, updating the remaining
+    columns and G⁻¹ after each removal (as SparseGPT does for weights; ZipLM for structures).
+
+    gram: (I, I) fp64; down: (d, I) -> (kept indices ascending, compensated down projection (d, width)).
+    Damping λ·I is added to G as in ``refit_down_proj`` (here it pulls the compensation towards the source
+    columns rather than towards zero).
+    """
+    n = gram.shape[0]
+    lam = damp * gram.diagonal().mean().clamp(min=1e-12)
+    hinv = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64))  # (I, I)
+    w = down.double().clone()  # (d, I)
+    alive = torch.ones(n, dtype=torch.bool)
+    for _ in range(n - width):
+        cost = w.pow(2).sum(0) / hinv.diagonal().clamp(min=1e-30)  # (I,)
+        cost[~alive] = float("inf")
+        j = int(torch.argmin(cost))
+        row = hinv[j] / hinv[j, j]  # (I,)
+        w -= w[:, j : j + 1] * row[None, :]  # compensate every other column; column j becomes 0
+        hinv -= hinv[:, j : j + 1] * row[None, :]
+        alive[j] = False
+    keep = alive.nonzero().flatten().tolist()
+    return keep, w[:, alive].to(down.dtype).contiguous()

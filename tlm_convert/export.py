@@ -79,13 +79,13 @@ def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "tlm":
-        _export_tlm(config, state_dict, instance, out)
+        _export_tlm(config, state_dict, instance, out, max_shard_size)
     elif fmt == "deci":
         _export_deci(config, state_dict, out, source, max_shard_size)
     else:
         _export_hf(config, state_dict, out, fmt, source, max_shard_size)
     _copy_tokenizer(source, out)
-    _write_generation_config(source, out)
+    _write_generation_config(source, instance, fmt, out)
     return out
 
 
@@ -113,7 +113,7 @@ def _state_dtype(state_dict) -> torch.dtype:
 # ============================================================================================== tlm
 
 
-def _export_tlm(config: TLMConfig, state_dict, instance, out: Path) -> None:
+def _export_tlm(config: TLMConfig, state_dict, instance, out: Path, max_shard_size) -> None:
     model = instance
     if model is None:
         with torch.device("meta"):
@@ -122,7 +122,7 @@ def _export_tlm(config: TLMConfig, state_dict, instance, out: Path) -> None:
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.eval()
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
 
 
 # ============================================================================================== hf / padded
@@ -137,7 +137,9 @@ def _export_hf(config: TLMConfig, state_dict, out: Path, fmt: str, source: Sourc
         state_dict = pad_mlp_state_dict(config, state_dict, width)
         config = _with_widths(config, [width] * config.num_hidden_layers)
         base_width = width
-    else:
+    elif len(set(widths)) == 1:  # uniform: a plain stock config, which the stock classes load as well
+        base_width = widths[0]
+    else:  # the global value is the base width; per_layer_config makes it ambiguous on purpose
         base_width = config.intermediate_size if isinstance(config.intermediate_size, int) else max(widths)
     hf_config = uniform_hf_config(config, model_type, source, base_width, _state_dtype(state_dict))
     check_round_trip(hf_config, config, fmt)
@@ -233,8 +235,10 @@ def _fields_for(model_type: str, config: TLMConfig, width: int) -> dict:
         full = _rope_out(config.rope_parameters)
         local = _rope_out(config.local_rope_parameters) or full
         scalar = config.query_pre_attn_scalar
+        if scalar is not None and float(scalar).is_integer():
+            scalar = int(scalar)  # Gemma3TextConfig types it as int
         fields.update(hidden_activation=config.hidden_act, attention_bias=config.attention_bias,
-                      query_pre_attn_scalar=int(scalar) if scalar is not None and float(scalar).is_integer() else scalar,
+                      query_pre_attn_scalar=scalar,
                       layer_types=list(config.layer_types), sliding_window=config.sliding_window,
                       rope_parameters={"full_attention": full, "sliding_attention": local},
                       final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
@@ -257,7 +261,8 @@ def _fields_for(model_type: str, config: TLMConfig, width: int) -> dict:
 # keys of a source config that the export recomputes or that must not travel to the new checkpoint
 _DROP_SOURCE_KEYS = ("model_type", "transformers_version", "architectures", "auto_map", "per_layer_config",
                      "serialize_explicit_per_layer_config", "allow_global_per_layer_attribute_access",
-                     "_name_or_path", "name_or_path", "quantization_config", "rope_scaling", "rope_theta", "dtype",
+                     "_name_or_path", "name_or_path", "_model_name_or_path", "quantization_config", "rope_scaling",
+                     "rope_theta", "dtype",
                      "torch_dtype", "block_configs", "_attn_implementation_autoset")
 
 
@@ -493,6 +498,12 @@ def check_deci(config: TLMConfig, source: Source | None = None) -> list[float]:
     return mults
 
 
+_DECI_KEEP = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+              "initializer_range", "tie_word_embeddings", "attention_bias", "attention_dropout", "mlp_bias",
+              "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "dtype")
+
+
 def _export_deci(config: TLMConfig, state_dict, out: Path, source: Source | None, max_shard_size) -> None:
     mults = check_deci(config, source)
     widths = list(config.intermediate_sizes)
@@ -502,7 +513,9 @@ def _export_deci(config: TLMConfig, state_dict, out: Path, source: Source | None
     check_round_trip(hf_config, config, "deci")
     tensors = hf_state_dict_from_tlm(config, state_dict, "llama")
     group = config.num_attention_heads // config.num_key_value_heads
-    fields = hf_config.to_dict()
+    full = hf_config.to_dict()
+    fields = hf_config.to_diff_dict()  # without the generic PreTrainedConfig defaults (id2label, ...)
+    fields.update({k: full[k] for k in _DECI_KEEP if k in full})  # engines read config.json raw: be explicit
     fields.update(
         model_type="nemotron-nas",
         architectures=["DeciLMForCausalLM"],
@@ -551,8 +564,10 @@ def _copy_tokenizer(source: Source | None, out: Path) -> None:
                       f"'{out}' by hand", stacklevel=3)
 
 
-def _write_generation_config(source: Source | None, out: Path) -> None:
+def _write_generation_config(source: Source | None, instance, fmt: str, out: Path) -> None:
     generation_config = getattr(source, "generation_config", None) if source is not None else None
+    if generation_config is None and fmt != "tlm":  # save_pretrained already wrote the model's own
+        generation_config = getattr(instance, "generation_config", None)
     if generation_config is None:
         return
     try:
@@ -629,7 +644,9 @@ def tapered_modeling_source(model_type: str) -> str:
     """The ``modeling_tapered.py`` written beside an ``hf`` export of ``model_type``."""
     module, base, causal_lm, mlp, layers, prefix = STOCK_CLASSES[model_type]
     if model_type == "gpt2":
-        make_mlp = ("    width = layer_config.n_inner if layer_config.n_inner is not None else 4 * layer_config.hidden_size\n"
+        make_mlp = ("    width = layer_config.n_inner\n"
+                    "    if width is None:\n"
+                    "        width = 4 * layer_config.hidden_size\n"
                     f"    return {mlp}(width, layer_config)")
     else:
         make_mlp = f"    return {mlp}(layer_config)"
@@ -639,7 +656,8 @@ def tapered_modeling_source(model_type: str) -> str:
                                     make_mlp=make_mlp)
 
 
-DECI_CONFIGURATION_SOURCE = '''"""DeciLM (`nemotron-nas`) configuration: a Llama config plus one `block_configs` entry per layer.
+DECI_CONFIGURATION_SOURCE = '''"""DeciLM (`nemotron-nas`) configuration: a Llama config plus one `block_configs` entry
+per layer.
 
 Written by tlm-convert (tapered-lm), minimal: it reads and writes the schema of NVIDIA's Nemotron-NAS checkpoints
 (`attention`: n_heads_in_group, no_op, replace_with_linear; `ffn`: ffn_mult, no_op, replace_with_linear,
@@ -689,8 +707,10 @@ class BlockConfig:
     @classmethod
     def from_dict(cls, values):
         attention, ffn = values.get("attention"), values.get("ffn")
-        attention = attention if isinstance(attention, AttentionConfig) else AttentionConfig(**_known(AttentionConfig, attention))
-        ffn = ffn if isinstance(ffn, FFNConfig) else FFNConfig(**_known(FFNConfig, ffn))
+        if not isinstance(attention, AttentionConfig):
+            attention = AttentionConfig(**_known(AttentionConfig, attention))
+        if not isinstance(ffn, FFNConfig):
+            ffn = FFNConfig(**_known(FFNConfig, ffn))
         return cls(attention=attention, ffn=ffn)
 
     def to_dict(self):
@@ -702,7 +722,8 @@ class DeciLMConfig(LlamaConfig):
 
     def __init__(self, block_configs=None, **kwargs):
         super().__init__(**kwargs)
-        self.block_configs = [b if isinstance(b, BlockConfig) else BlockConfig.from_dict(b) for b in block_configs or []]
+        self.block_configs = [b if isinstance(b, BlockConfig) else BlockConfig.from_dict(b)
+                              for b in block_configs or []]
 
     def to_dict(self):
         output = super().to_dict()
@@ -714,7 +735,8 @@ __all__ = ["DeciLMConfig", "BlockConfig", "AttentionConfig", "FFNConfig", "ffn_m
 '''
 
 
-DECI_MODELING_SOURCE = '''"""DeciLM (`nemotron-nas`) for transformers: Llama with a per-layer MLP width and key/value head count.
+DECI_MODELING_SOURCE = '''"""DeciLM (`nemotron-nas`) for transformers: Llama with a per-layer MLP width and key/value
+head count.
 
 Written by tlm-convert (tapered-lm), minimal: layer i's MLP width is
 find_multiple(int(2 * ffn_mult * hidden_size / 3), 256) (the rule of vLLM, SGLang and llama.cpp), its key/value

@@ -13,6 +13,9 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ``wifv``        Var_n(a_nj) · ‖d_j‖₂² (FLAP, arXiv 2312.11983)
 ``magnitude``   mean(‖g_j‖², ‖u_j‖², ‖d_j‖²) — weights only (collapses without recovery; ablation)
 ``random``      U(0, 1) from the seed (ablation floor)
+``obs``         not a per-neuron score: shrinking layers remove neurons greedily by their cost *after*
+                least-squares compensation, ‖d_j‖² / [G⁻¹]_jj (structured Optimal Brain Surgeon, see
+                compensate.obs_prune); the reported profile uses ``activation``
 ==============  ==================================================================================
 """
 
@@ -22,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-METRICS = ("activation", "wanda_sp", "wifv", "magnitude", "random")
+METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random")
 
 
 class ActivationStats:
@@ -72,6 +75,7 @@ def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, see
     """One score per neuron (I,) for a layer; ``weights`` holds that layer's gate/up/down weight tensors."""
     if metric not in METRICS:
         raise ValueError(f"importance={metric!r}: expected one of {', '.join(METRICS)}")
+    metric = "activation" if metric == "obs" else metric
     down = weights["down_proj"].double()  # (d, I)
     col_sq = down.pow(2).sum(0)  # ‖d_j‖²
     if metric == "random":

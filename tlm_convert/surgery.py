@@ -85,7 +85,7 @@ def resize_layer(sd: dict, layer_idx: int, plan: LayerPlan, grow_init: str = "no
         new[prefix + name + ".weight"] = torch.cat([w[keep], _new_rows(w, plan, grow_init, gen)])
         if prefix + name + ".bias" in sd:
             b = sd[prefix + name + ".bias"]
-            extra = b[plan.split_from[: plan.grow]] if grow_init == "split" else b.new_zeros(plan.grow)
+            extra = b[_split_sources(plan)] if grow_init == "split" else b.new_zeros(plan.grow)
             new[prefix + name + ".bias"] = torch.cat([b[keep], extra])
     down = sd[prefix + "down_proj.weight"]  # (d, I)
     if plan.down_override is not None:

@@ -1,0 +1,134 @@
+"""The conversion pipeline on tiny checkpoints: exact import, parameter parity, surgery and upcycling invariants."""
+
+import json
+
+import pytest
+import torch
+from tiny_sources import DATA, FAMILIES, WIDTH, make_source, source_logits, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import tlm
+from tlm_convert.calibrate import calibrate_and_plan
+from tlm_convert.checkpoint import load_source
+from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.importance import ActivationStats, activation_stats
+from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_mlp
+from tlm_convert.upcycle import upcycle
+
+OPTS = dict(calibration_data=str(DATA), calibration_tokens=2048, seq_len=64, batch_size=4, multiple_of=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_uniform_conversion_is_exact(family, tmp_path, tokenizer, ids):
+    src = make_source(tmp_path / "src", family, tokenizer=tokenizer)
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(schedule="uniform", **OPTS))
+    assert report["widths_after"] == report["widths_before"] == [WIDTH] * 4
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (_logits(out, ids) - source_logits(src, ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cosine_conversion_keeps_parameter_count(family, tmp_path, tokenizer, ids):
+    src = make_source(tmp_path / "src", family, tokenizer=tokenizer)
+    before = tuple(p.numel() for p in AutoModelForCausalLM.from_pretrained(src).parameters())
+    report = convert(str(src), str(tmp_path / "out"),
+                     ConvertOptions(eval_data=str(DATA), eval_tokens=512, **OPTS))
+    assert report["widths_after"] == [72, 60, 36, 24]
+    assert report["params_after"] == report["params_before"] == sum(before)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    assert sum(p.numel() for p in out.parameters()) == sum(before)
+    assert out.config.intermediate_sizes == [72, 60, 36, 24]
+    saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    for key in ("source", "family", "schedule", "ratio", "widths_before", "widths_after", "params_before",
+                "params_after", "importance", "calibration_tokens", "seconds", "peak_rss_mb",
+                "perplexity_before", "perplexity_after"):
+        assert key in saved, key
+    assert (tmp_path / "out" / "widths.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "report.md").exists()
+    assert (tmp_path / "out" / "tokenizer.json").exists()
+    assert torch.isfinite(_logits(out, ids)).all()
+
+
+def test_grow_only_with_zero_init_reproduces_source(tmp_path, tokenizer, ids):
+    src = load_source(str(make_source(tmp_path / "src", "llama", tokenizer=tokenizer)))
+    plans = [LayerPlan(keep=list(range(WIDTH)), grow=g) for g in (5, 11, 0, 3)]
+    config, state = resize_mlp(src.tlm_config, src.state_dict, plans, grow_init="zero")
+    grown = tlm.TLMForCausalLM(config).eval()
+    grown.load_state_dict(state, strict=True)
+    torch.testing.assert_close(_logits(grown, ids), source_logits(tmp_path / "src", ids), atol=1e-5, rtol=0)
+
+
+def test_split_growth_is_exact_and_pruning_to_same_width_is_identity(tmp_path, tokenizer, ids):
+    src = load_source(str(make_source(tmp_path / "src", "gpt2", tokenizer=tokenizer)))
+    scores = [torch.rand(WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    plans = plan_from_scores(scores, [WIDTH + 7, WIDTH, WIDTH + 50, WIDTH])
+    config, state = resize_mlp(src.tlm_config, src.state_dict, plans, grow_init="split")
+    grown = tlm.TLMForCausalLM(config).eval()
+    grown.load_state_dict(state, strict=True)
+    torch.testing.assert_close(_logits(grown, ids), source_logits(tmp_path / "src", ids), atol=1e-5, rtol=0)
+
+
+def test_hook_statistics_accumulate_over_batches():
+    a = torch.randn(6, 10, 7, generator=torch.Generator().manual_seed(0))
+    whole, parts, single = ActivationStats(7, gram=True), ActivationStats(7, gram=True), ActivationStats(7, gram=True)
+    whole.update(a)
+    parts.update(a[:2])
+    parts.update(a[2:])
+    for row in a:
+        single.update(row[None])
+    for other in (parts, single):
+        for name in ("sum", "sumsq", "seq_abs_sq", "gram"):
+            torch.testing.assert_close(getattr(other, name), getattr(whole, name), rtol=1e-6, atol=1e-5)
+        assert other.tokens == whole.tokens == 60
+
+
+def test_hooks_are_removed_when_a_batch_fails():
+    linear = torch.nn.Linear(5, 3)
+    with pytest.raises(RuntimeError), activation_stats(linear) as stats:
+        linear(torch.randn(1, 2, 5))
+        raise RuntimeError("boom")
+    assert stats.tokens == 2
+    assert not linear._forward_pre_hooks
+
+
+def test_refit_lowers_the_layer_reconstruction_error(tmp_path, tokenizer):
+    src = load_source(str(make_source(tmp_path / "src", "llama", tokenizer=tokenizer)))
+    text = DATA.read_text()
+    blocks = torch.tensor(tokenizer(text)["input_ids"][: 32 * 64]).view(32, 64)
+    errors = {}
+    for refit in (False, True):
+        model = tlm.TLMForCausalLM(src.tlm_config).eval()
+        model.load_state_dict(src.state_dict)
+        reference = tlm.TLMForCausalLM(src.tlm_config).eval()
+        reference.load_state_dict(src.state_dict)
+        calibrate_and_plan(model, blocks, [72, 60, 36, 24], refit=refit, batch_size=8)
+        errors[refit] = float((_logits(model, blocks[:8]) - _logits(reference, blocks[:8])).pow(2).mean())
+    assert errors[True] < errors[False]
+
+
+@pytest.mark.parametrize("mixer", ["gated_attention", "titans", "hope_attention"])
+def test_upcycling_preserves_logits(mixer, tmp_path, tokenizer, ids):
+    src = load_source(str(make_source(tmp_path / "src", "llama", tokenizer=tokenizer)))
+    scores = [torch.rand(WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    config, state = upcycle(src.tlm_config, src.state_dict, mixer, scores)
+    model = tlm.TLMForCausalLM(config).eval()
+    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert set(model.config.mixer) == {mixer}
+    torch.testing.assert_close(_logits(model, ids), source_logits(tmp_path / "src", ids), atol=1e-5, rtol=0)
