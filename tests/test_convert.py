@@ -132,3 +132,18 @@ def test_upcycling_preserves_logits(mixer, tmp_path, tokenizer, ids):
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     assert set(model.config.mixer) == {mixer}
     torch.testing.assert_close(_logits(model, ids), source_logits(tmp_path / "src", ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt2"])
+def test_carried_activations_match_the_converted_model(family, tmp_path, tokenizer):
+    # the calibration reuses first-pass activations after resizing; the result must be the converted model's
+    src = load_source(str(make_source(tmp_path / "src", family, tokenizer=tokenizer)))
+    blocks = torch.tensor(tokenizer(DATA.read_text())["input_ids"][: 8 * 32]).view(8, 32)
+    model = tlm.TLMForCausalLM(src.tlm_config).eval()
+    model.load_state_dict(src.state_dict)
+    result = calibrate_and_plan(model, blocks, [72, 60, 36, 24], importance="wanda_sp", batch_size=4)
+    model.config.intermediate_sizes = [72, 60, 36, 24]
+    with torch.no_grad():
+        last = model.model(blocks, use_cache=False).last_hidden_state  # after the final norm
+        carried = model.model.norm(torch.cat(result.hidden))
+    torch.testing.assert_close(carried, last, atol=1e-5, rtol=1e-5)

@@ -167,6 +167,7 @@ class TLMConfig(PretrainedConfig):
         self.use_cache = use_cache
         width_errors: list[str] = []
         self.intermediate_sizes = self._resolve_widths(intermediate_sizes, width_errors)
+        self.validate_tlm(width_errors)  # before transformers' own checks, so every problem is reported at once
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -175,7 +176,6 @@ class TLMConfig(PretrainedConfig):
             **kwargs,
         )
         self.tie_word_embeddings = tie_word_embeddings
-        self.validate_tlm(width_errors)
 
     # ------------------------------------------------------------------ widths
     def _resolve_widths(self, intermediate_sizes, errors: list[str]):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .compensate import obs_prune, refit_down_proj
 from .importance import activation_stats, neuron_scores
@@ -31,6 +32,7 @@ class CalibrationResult:
     plans: list[LayerPlan]
     scores: list[torch.Tensor]  # per layer, source neurons
     tokens: int
+    hidden: list[torch.Tensor]  # the converted model's last-layer output per batch (before the final norm)
 
 
 @torch.no_grad()
@@ -56,7 +58,8 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
         shrinking = width < source_width
         with timer("calibrate"):
             mixed = [_mix(base, layer, h, p) for h, p in zip(hidden, positions)]
-            with activation_stats(layer.mlp.down_proj, gram=shrinking and (refit or importance == "obs")) as stats:
+            with activation_stats(layer.mlp.down_proj, gram=shrinking and (refit or importance == "obs"),
+                                  keep=width != source_width) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
         with timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
@@ -72,13 +75,34 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
         if width != source_width:
             with timer("resize"):
                 _resize_in_place(layer, i, plan, cfg, grow_init, noise_scale, seed)
-                hidden = [layer.feed_forward(z) for z in mixed]
+                hidden = [_feed_forward_reusing(layer, z, a, plan) for z, a in zip(mixed, stats.kept)]
+            stats.kept.clear()
         plans.append(plan)
         scores.append(score.float())
         if progress is not None:
             progress(i)
-    tokens = int(blocks.numel())
-    return CalibrationResult(plans=plans, scores=scores, tokens=tokens)
+    return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
+
+
+def _feed_forward_reusing(layer, z, a, plan):
+    """feed_forward(z) after resizing, reusing the first pass's activations a (B, S, I_source): kept neurons are
+    sliced from a, only new neurons are computed. Equals ``layer.feed_forward(z)`` with the new weights."""
+    mlp = layer.mlp
+    a = a[..., plan.keep]
+    if plan.grow:
+        x = layer.post_attention_layernorm(z)
+        new = slice(len(plan.keep), plan.width)
+        up = F.linear(x, mlp.up_proj.weight[new], None if mlp.up_proj.bias is None else mlp.up_proj.bias[new])
+        if hasattr(mlp, "gate_proj"):
+            gate = mlp.gate_proj
+            extra = mlp.act_fn(F.linear(x, gate.weight[new], None if gate.bias is None else gate.bias[new])) * up
+        else:
+            extra = mlp.act_fn(up)
+        a = torch.cat([a, extra], dim=-1)
+    y = mlp.down_proj(a)
+    if layer.sandwich:
+        y = layer.post_feedforward_layernorm(y)
+    return z + y
 
 
 def _mix(base, layer, h, positions):

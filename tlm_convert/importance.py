@@ -31,7 +31,8 @@ METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random")
 class ActivationStats:
     """Running sums over calibration tokens of a (B, S, I) activation; optional Gram matrix AᵀA."""
 
-    def __init__(self, width: int, gram: bool = False):
+    def __init__(self, width: int, gram: bool = False, keep: bool = False):
+        self.kept: list[torch.Tensor] | None = [] if keep else None  # the activations themselves, if asked
         self.tokens = 0
         self.sequences = 0
         self.sum = torch.zeros(width, dtype=torch.float64)  # Σ a
@@ -41,6 +42,8 @@ class ActivationStats:
 
     @torch.no_grad()
     def update(self, a: torch.Tensor) -> None:
+        if self.kept is not None:
+            self.kept.append(a)
         a = a.float() if a.dim() == 3 else a.float()[None]  # (B, S, I)
         flat = a.reshape(-1, a.shape[-1])  # (B*S, I)
         self.tokens += flat.shape[0]
@@ -61,9 +64,10 @@ class ActivationStats:
 
 
 @contextmanager
-def activation_stats(down_proj: torch.nn.Module, gram: bool = False):
-    """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed."""
-    stats = ActivationStats(down_proj.in_features, gram=gram)
+def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool = False):
+    """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed.
+    ``keep=True`` also keeps each batch's activation tensor in ``stats.kept`` (the converter reuses them)."""
+    stats = ActivationStats(down_proj.in_features, gram=gram, keep=keep)
     handle = down_proj.register_forward_pre_hook(lambda _module, args: stats.update(args[0].detach()))
     try:
         yield stats
