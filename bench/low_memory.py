@@ -162,7 +162,8 @@ def run_convert(src: Path, out: Path, args) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(full, capture_output=True, text=True, cwd=str(ROOT))
     wall = time.perf_counter() - start
-    record = {"command": " ".join(cmd), "returncode": proc.returncode, "wall_s": wall,
+    shown = ["tlm-convert" if exe else "python -m tlm_convert"] + cmd[len(convert):]
+    record = {"command": " ".join(shown), "returncode": proc.returncode, "wall_s": wall,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     if timer:
         m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)

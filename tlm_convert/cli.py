@@ -79,16 +79,16 @@ def _check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise ConversionError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        raise ConversionError(f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConversionError(f"--device {device}: CUDA is not available (this torch build or machine has no "
-                                  "GPU); use --device cpu")
+            raise ConversionError(f"option --device {device}: CUDA is not available (this torch build or machine "
+                                  "has no GPU); use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConversionError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+            raise ConversionError(f"option --device {device}: this machine has {torch.cuda.device_count()} CUDA "
                                   f"device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConversionError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+        raise ConversionError(f"option --device {device}: MPS is not available on this machine; use --device cpu")
 
 
 class _OutputGuard:
@@ -164,6 +164,8 @@ def convert_main(input_model, output, export_format, **kwargs):
 
         _quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
+        if options.multiple_of is not None and options.multiple_of < 1:  # 0 would silently mean "the default"
+            raise ConversionError(f"option --multiple-of must be a positive integer, got {options.multiple_of}")
         _check_device(options.device)
         report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
@@ -175,31 +177,28 @@ def convert_main(input_model, output, export_format, **kwargs):
 
 
 class _PhaseBars:
-    """A progress line per phase and a per-layer bar during calibration (tqdm, on stderr).
-
-    Calibration alternates calibrate/rank/resize for every layer: those phases share one heading and one bar.
-    """
-
-    LAYER_PHASES = ("calibrate", "rank", "resize")
+    """Progress on stderr: a ``[phase]`` line per phase until the layer loop starts, then one tqdm bar over the
+    layers whose postfix names the current phase (the loop alternates calibrate/rank/resize(/save) per layer)."""
 
     def __init__(self):
         self.current, self.bar = None, None
 
-    def _group(self, name: str) -> str:
-        return "calibrate" if name in self.LAYER_PHASES else name
-
     def phase(self, name: str) -> None:
-        group = self._group(name)
-        if group != self.current:
-            self.close()
-            self.current = group
-            click.echo(f"[{group}]" if group != "calibrate" else "[calibrate, rank, resize]", err=True)
+        if name == self.current:
+            return
+        self.current = name
+        if self.bar is not None:
+            self.bar.set_postfix_str(name)
+        else:
+            click.echo(f"[{name}]", err=True)
 
     def layer(self, idx: int) -> None:
         from tqdm import tqdm
 
         if self.bar is None:
             self.bar = tqdm(desc="layers", unit="layer", file=sys.stderr)
+            if self.current:
+                self.bar.set_postfix_str(self.current)
         self.bar.update(1)
 
     def close(self) -> None:
@@ -242,7 +241,7 @@ def eval_command(model_path, data, seq_len, max_tokens, batch_size):
         _quiet_libraries()
         for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
             if value < 1:
-                raise ConversionError(f"--{name} must be a positive integer, got {value}")
+                raise ConversionError(f"option --{name} must be a positive integer, got {value}")
         src = load_source(resolve_builtin(model_path))
         model, tokenizer = _build_model(src, ConvertOptions())
         blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="evaluation")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tlm import TLMForCausalLM, parse_ratio, taper_widths
+from tlm.modules import RotaryEmbedding, rope_inv_freq
 
 from .calibrate import calibrate_and_plan
 from .checkpoint import load_source
@@ -111,7 +112,11 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     torch.manual_seed(opts.seed)
     with timer("load"):
         src = load_source(source, dtype=torch.float32)
+        if "hope_attention" in src.tlm_config.mixer:
+            raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and "
+                                  "cannot be resized; convert the attention checkpoint it came from instead")
         model, tokenizer = _build_model(src, opts)
+        src.state_dict = {}  # the model holds these tensors now
         widths = plan_widths(src.tlm_config, opts)
         calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = _eval_blocks(tokenizer, opts)
@@ -141,17 +146,32 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
 def _build_model(src, opts):
     from transformers import AutoTokenizer
 
-    if any(m == "hope_attention" for m in src.tlm_config.mixer):
-        raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and cannot "
-                              "be resized; convert the attention checkpoint it came from instead")
     if src.tokenizer_source is None:
         raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
     path, kwargs = src.tokenizer_kwargs()
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = TLMForCausalLM(src.tlm_config)
-    model.load_state_dict(src.state_dict, strict=True)
-    model.tie_weights()
+    model = materialize(src.tlm_config, src.state_dict)
     return model.to(opts.device).eval(), tokenizer
+
+
+def materialize(config, state_dict: dict) -> TLMForCausalLM:
+    """A TLMForCausalLM that *uses* the given tensors (built on the meta device, loaded strictly with
+    ``assign=True``): no random init and no second copy of the weights in memory."""
+    tied = config.tie_word_embeddings
+    with torch.device("meta"):
+        model = TLMForCausalLM(config)
+    state = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConversionError(f"internal error: weights do not match the config "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for module in model.modules():  # non-persistent buffers are not in the state dict
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = rope_inv_freq(module.params, module.head_dim)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
 
 
 def plan_widths(config, opts: ConvertOptions) -> list[int]:
@@ -188,15 +208,8 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
 
 
 def _strict_reload(config, state, opts):
-    final = TLMForCausalLM(config)
-    state = {k: v for k, v in state.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
-    missing, unexpected = final.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ConversionError(f"internal error: converted weights do not match the new config "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    final.tie_weights()
-    return final.to(dtype=getattr(torch, opts.dtype)).eval()
+    """The converted weights, reloaded strictly into a model built from the new config."""
+    return materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()
 
 
 def _param_report(src, final, opts) -> dict:

@@ -120,7 +120,7 @@ def _text_column(ds, source):
 def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration") -> torch.Tensor:
     """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block."""
     if seq_len < 2:
-        raise ConversionError(f"--seq-len {seq_len} is too short; use at least 2 (e.g. 512)")
+        raise ConversionError(f"option --seq-len {seq_len} is too short; use at least 2 (e.g. 512)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = len(ids) // seq_len
     if max_tokens is not None:

@@ -158,13 +158,13 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
 def check_options(opts) -> None:
     """The options --low-memory cannot honour, refused before anything is read (one line each)."""
     if opts.export != "tlm":
-        raise ConversionError(f"--export {opts.export} is not available with --low-memory, which writes --export tlm "
-                              "only; drop --low-memory, or use --export tlm")
+        raise ConversionError(f"the low-memory path writes --export tlm only (--export {opts.export} needs the whole "
+                              "model in memory); drop --low-memory, or use --export tlm")
     if opts.mixer == "titans":
-        raise ConversionError("--mixer titans draws the new memory weights from the whole model's seeded init, which "
-                              "--low-memory never builds; drop --low-memory, or convert with --mixer attention")
+        raise ConversionError("the titans mixer draws its new memory weights from the whole model's seeded init, "
+                              "which the low-memory path never builds; drop --low-memory, or use another --mixer")
     if str(opts.device) != "cpu":
-        raise ConversionError(f"--low-memory runs on the CPU; drop --device {opts.device} or --low-memory")
+        raise ConversionError(f"the low-memory path runs on the CPU; drop --device {opts.device} or --low-memory")
 
 
 # ============================================================================================== source
