@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -218,6 +219,10 @@ def run_benchmark(steppers: dict, args) -> dict:
             "wall_s": time.perf_counter() - t_start}
 
 
+def _finite_or_none(x: float, digits: int = 6):
+    return round(x, digits) if math.isfinite(x) else None
+
+
 def summarize(result: dict, tokens_per_step: int) -> tuple[dict, dict]:
     timings = result["timings"]
     per_model = {}
@@ -234,7 +239,7 @@ def summarize(result: dict, tokens_per_step: int) -> tuple[dict, dict]:
             "phase_median_s": {k: round(statistics.median(row[k] for row in rows), 4)
                                for k in ("forward", "backward", "optimizer")},
             "rel_spread": round((max(steps) - min(steps)) / med, 3),  # (max − min)/median of the step times
-            "first_loss": round(result["first_loss"][n], 6),
+            "first_loss": _finite_or_none(result["first_loss"][n]),  # null when NaN/inf (strict JSON)
         }
     ratios = {}
     for key, model, ref, target in COMPARISONS:
@@ -388,7 +393,7 @@ def main(argv=None) -> int:
     autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     names = [args.profile] if args.profile else args.models
 
-    load_start = loadavg()
+    load_start, git_start = loadavg(), git_commit()  # the tree others edit may move during a long run
     models, checks = build_models(names, args, device)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, BASE["vocab_size"], (args.batch, args.seq_len), generator=gen).to(device)
@@ -411,9 +416,13 @@ def main(argv=None) -> int:
     per_model, ratios = summarize(result, tokens)
     for n in per_model:
         per_model[n].update(describe(n, models[n]))
+    nonfinite = [n for n, row in per_model.items() if row["first_loss"] is None]
+    checks["nonfinite_first_loss"] = nonfinite  # timing is still valid; the model is not trainable as configured
+    if nonfinite:
+        print(f"WARNING: non-finite loss at the first step of {', '.join(nonfinite)}", file=sys.stderr)
     if "hf_llama" in per_model and "tlm_attention" in per_model:
         a, b = per_model["hf_llama"]["first_loss"], per_model["tlm_attention"]["first_loss"]
-        checks["first_loss_hf_llama_vs_tlm_attention_abs_diff"] = abs(a - b)
+        checks["first_loss_hf_llama_vs_tlm_attention_abs_diff"] = None if None in (a, b) else abs(a - b)
 
     info = {"batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "device": args.device,
             "threads": args.threads, "rounds": result["rounds"], "step_what": step_what}
@@ -424,7 +433,7 @@ def main(argv=None) -> int:
         "issue": 2,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "git": git_commit(),
+        "git": git_start,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),

@@ -50,7 +50,8 @@ def _runner() -> CliRunner:
 
 
 def _run(args, env=None, command=convert_main):
-    return _runner().invoke(command, [str(a) for a in args], env={**OFFLINE, **(env or {})})
+    prog = "tlm-convert" if command is convert_main else "tlm"
+    return _runner().invoke(command, [str(a) for a in args], env={**OFFLINE, **(env or {})}, prog_name=prog)
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -193,10 +194,11 @@ def test_non_finite_weights(value, streaming, copy_of, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     tensors[name][3, 5] = float(value)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    before, out = _digest(folder), tmp_path / "out"
+    before, out = _digest(folder), tmp_path / "new" / "out"  # parents the run creates are removed again
     args = [folder, "-o", out, *FAST] + (["--low-memory"] if streaming else [])
     message = _assert_refused(_run(args), out, {folder: before})
     assert "NaN or Inf" in message and "up_proj" in message
+    assert not (tmp_path / "new").exists()
 
 
 def test_existing_output_is_refused_then_replaced_with_overwrite(source, copy_of, tmp_path):
@@ -230,8 +232,6 @@ def test_calibration_tokens_below_seq_len(source, tmp_path):
     assert "calibration-tokens 32" in message and "seq-len 64" in message
 
 
-@pytest.mark.xfail(strict=True, reason="errors.one_line strips the leading '--' of a message (bullet stripping); "
-                                       "fix: strip only '- ' bullets in tlm_convert/errors.py one_line")
 def test_option_names_keep_their_dashes(source, tmp_path):
     out = tmp_path / "out"
     message = _assert_refused(_run([source, "-o", out, *FAST, "--calibration-tokens", "32"]), out)
@@ -252,6 +252,16 @@ def test_bad_option_values(flag, value, expected, source, tmp_path):
     before, out = _digest(source), tmp_path / "out"
     message = _assert_refused(_run([source, "-o", out, *FAST, flag, value]), out, {source: before})
     assert expected in message
+
+
+@pytest.mark.parametrize("args", [["--calibration-tokens", "abc"], ["--schedule", "nope"], ["--no-such-flag"]])
+def test_usage_errors_are_one_line(args, source, tmp_path):
+    out = tmp_path / "out"
+    result = _run([source, "-o", out, *args])
+    message = _assert_refused(result, out)
+    assert result.exit_code == 2 and "tlm-convert --help" in message
+    result = _run([source], command=convert_main)  # no -o
+    assert result.exit_code == 2 and _assert_refused(result, out).startswith("Missing option '-o'")
 
 
 def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypatch, source, tmp_path):

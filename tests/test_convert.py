@@ -15,7 +15,7 @@ from tlm_convert.importance import ActivationStats, activation_stats
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_mlp
 from tlm_convert.upcycle import upcycle
 
-OPTS = dict(calibration_data=str(DATA), calibration_tokens=2048, seq_len=64, batch_size=4, multiple_of=1)
+OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
 
 
 @pytest.fixture(scope="module")

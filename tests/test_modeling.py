@@ -93,6 +93,11 @@ def test_remote_code_loads_without_the_package(tmp_path, ids):
     script = textwrap.dedent(
         f"""
         import sys, torch
+        class Block:  # an editable install puts the package on a meta-path finder: refuse it outright
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("tlm", "tlm_convert"):
+                    raise ImportError("hidden: " + name)
+        sys.meta_path.insert(0, Block())
         sys.path = [p for p in sys.path if p not in ('', {os.getcwd()!r})]
         try:
             import tlm

@@ -38,20 +38,28 @@ class CalibrationResult:
 @torch.no_grad()
 def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importance: str = "activation",
                        grow_init: str = "noise", refit: bool = True, batch_size: int = 8, seed: int = 0,
-                       noise_scale: float = 1e-2, damp: float = 0.01, progress=None, timer=None) -> CalibrationResult:
+                       noise_scale: float = 1e-2, damp: float = 0.01, refit_target: str = "local",
+                       progress=None, timer=None) -> CalibrationResult:
     """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
 
     blocks: (n, S) token ids. ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context
     manager that accounts seconds to "calibrate" (forward passes with hooks), "rank" (scores, plan, refit) and
     "resize" (new weights and the second MLP pass).
+
+    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
+    "residual" fits it to the MLP output that restores the *source* model's residual stream after the layer,
+    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. "residual" runs the
+    source model alongside (one more forward pass) and does not apply to sandwich-norm (Gemma 3) blocks.
     """
     timer = timer or _no_timer
+    residual = refit and refit_target == "residual" and not model.config.sandwich_norm
     base = model.model
     cfg = model.config
     device = next(model.parameters()).device
     batches = [blocks[i : i + batch_size].to(device) for i in range(0, len(blocks), batch_size)]
     positions = [torch.arange(b.shape[1], device=device).expand(b.shape[0], -1) for b in batches]
     hidden = [base.embed(base.embed_tokens(b), p) for b, p in zip(batches, positions)]
+    source_hidden = list(hidden) if residual else None  # the source model's residual stream
     plans, scores = [], []
     for i, layer in enumerate(base.layers):
         width, source_width = widths[i], layer.mlp.down_proj.in_features
@@ -61,6 +69,9 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
             with activation_stats(layer.mlp.down_proj, gram=shrinking and (refit or importance == "obs"),
                                   keep=width != source_width) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
+            if residual:  # the source layer's output (outside the hook: these are not calibration statistics)
+                source_hidden = [layer.feed_forward(_mix(base, layer, h, p)) for h, p in zip(source_hidden, positions)]
+                cross = _residual_cross(layer, mixed, stats.kept, source_hidden) if shrinking else None
         with timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if hasattr(layer.mlp, n)}
@@ -71,7 +82,8 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
             else:
                 plan = plan_from_scores([score], [width])[0]
                 if shrinking and refit:
-                    plan.down_override = refit_down_proj(stats.gram, weights["down_proj"], plan.keep, damp=damp)
+                    plan.down_override = refit_down_proj(stats.gram, weights["down_proj"], plan.keep, damp=damp,
+                                                         cross=cross if residual else None)
         if width != source_width:
             with timer("resize"):
                 _resize_in_place(layer, i, plan, cfg, grow_init, noise_scale, seed)
@@ -82,6 +94,16 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
         if progress is not None:
             progress(i)
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
+
+
+def _residual_cross(layer, mixed, acts, source_hidden) -> torch.Tensor:
+    """Σ aᵀ (h_src − z − b): (I, d) fp64 — the right-hand side of the residual-target least squares."""
+    bias = layer.mlp.down_proj.bias
+    cross = 0
+    for z, a, h in zip(mixed, acts, source_hidden):
+        target = (h - z) if bias is None else (h - z - bias)  # (B, S, d)
+        cross = cross + (a.flatten(0, 1).T.float() @ target.flatten(0, 1).float()).double()
+    return cross
 
 
 def _feed_forward_reusing(layer, z, a, plan):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -91,6 +92,31 @@ def _check_device(device: str) -> None:
         raise ConversionError(f"option --device {device}: MPS is not available on this machine; use --device cpu")
 
 
+class _OneLineUsageError(click.ClickException):
+    """A usage error (bad flag value, missing argument) as one ``error:`` line, like every other refusal."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, command_path: str):
+        super().__init__(message)
+        self.command_path = command_path
+
+    def show(self, file=None) -> None:
+        message = one_line(self.format_message()).rstrip(".")
+        click.echo(f"error: {message} (see '{self.command_path} --help')", err=True)
+
+
+class _Command(click.Command):
+    """click.Command whose usage errors are one line (click prints usage, a hint and the error otherwise)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            path = err.ctx.command_path if err.ctx is not None else (info_name or self.name or "tlm-convert")
+            raise _OneLineUsageError(err.format_message(), path) from None
+
+
 class _OutputGuard:
     """Leaves the file system as it was when a conversion fails: removes the temporary folders
     (``.NAME.tmp-*``) and the missing parents of OUTPUT that this run created. OUTPUT itself is only ever
@@ -104,7 +130,7 @@ class _OutputGuard:
 
     def _temps(self) -> set[Path]:
         try:
-            return set(self.parent.glob(f".{self.out.name}.tmp-*"))
+            return set(self.parent.glob(glob.escape(f".{self.out.name}.tmp-") + "*"))
         except OSError:
             return set()
 
@@ -121,7 +147,7 @@ class _OutputGuard:
                 break
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]},
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data default-eval")
 @click.argument("input_model")
 @click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
@@ -208,6 +234,8 @@ class _PhaseBars:
 
 
 def _summary(report: dict, output: str) -> None:
+    for note in report.get("notes", ()):  # what the import adjusted (Source.notes), when convert() reports them
+        click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {output} ({report['export']} format)")
     click.echo(f"parameters: {report['params_before']:,} before, {report['params_after']:,} after"
                + (" (equal)" if report["params_before"] == report["params_after"] else ""))
@@ -225,7 +253,7 @@ def tlm_main():
     """Tapered Language Models: evaluation (training, analysis and comparisons are planned)."""
 
 
-@tlm_main.command("eval")
+@tlm_main.command("eval", cls=_Command)
 @click.argument("model_path")
 @click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
 @click.option("--seq-len", type=int, default=512, show_default=True)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import torch
 
 
-def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01) -> torch.Tensor:
-    """gram: (I, I) fp64; down: (d, I); keep: kept neuron indices -> new down projection (d, |K|)."""
+def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
+                    cross: torch.Tensor | None = None) -> torch.Tensor:
+    """gram: (I, I) fp64; down: (d, I); keep: kept neuron indices -> new down projection (d, |K|).
+
+    ``cross`` (I, d) = Aᵀ Y replaces the target A Dᵀ by another target Y (e.g. the residual target)."""
     idx = torch.tensor(keep, dtype=torch.long)
     g_kk = gram[idx][:, idx]  # (K, K)
-    rhs = gram[idx] @ down.double().T  # (K, d)
+    rhs = cross[idx] if cross is not None else gram[idx] @ down.double().T  # (K, d)
     lam = damp * g_kk.diagonal().mean().clamp(min=1e-12)
     system = g_kk + lam * torch.eye(len(keep), dtype=torch.float64)
     chol, info = torch.linalg.cholesky_ex(system)

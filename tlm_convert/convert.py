@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import shutil
 import tempfile
@@ -48,6 +49,7 @@ class ConvertOptions:
     importance: str = "activation"
     grow_init: str = "noise"
     refit: bool = True
+    refit_target: str = "local"
     mixer: str = "attention"
     export: str = "tlm"
     eval_data: str | None = None
@@ -71,6 +73,13 @@ class ConvertOptions:
         for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConversionError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.multiple_of is not None and self.multiple_of < 1:
+            raise ConversionError(f"--multiple-of {self.multiple_of}: must be a positive integer")
+        if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
+            raise ConversionError(f"--export deci needs widths that are multiples of 256; --multiple-of "
+                                  f"{self.multiple_of} is not (drop it, or use --export tlm)")
+        if self.refit_target not in ("local", "residual"):
+            raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
                                   f"--seq-len {self.seq_len}; raise it or lower --seq-len")
@@ -121,11 +130,13 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
         calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = _eval_blocks(tokenizer, opts)
     report = _report_head(src, opts, widths, calib)
+    report["notes"] = list(src.notes)
     if evalb is not None:
         with timer("eval"):
             report["perplexity_before"] = perplexity(model, evalb, opts.batch_size)
     result = calibrate_and_plan(model, calib, widths, importance=opts.importance, grow_init=opts.grow_init,
-                                refit=opts.refit, batch_size=opts.batch_size, seed=opts.seed,
+                                refit=opts.refit, refit_target=opts.refit_target, batch_size=opts.batch_size,
+                                seed=opts.seed,
                                 timer=timer, progress=on_layer)
     with timer("resize"):
         config = model.config
@@ -242,6 +253,9 @@ def _write_output(model, out: Path, src, opts, report, timer) -> None:
 
         write_plot(report, tmp / "widths.png")
         write_markdown(report, tmp / "report.md")
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700; the output should get the usual permissions
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -6,10 +6,12 @@ the command line prints the message (no traceback) and exits non-zero.
 
 from __future__ import annotations
 
+import re
+
 
 def one_line(message: object) -> str:
     """``message`` on one line: a multi-line report ("header:\\n  - a\\n  - b") becomes "header: a; b"."""
-    lines = [line.strip().lstrip("-").strip() for line in str(message).splitlines()]
+    lines = [re.sub(r"^[-*•]\s+", "", line.strip()) for line in str(message).splitlines()]  # list bullets only
     lines = [line for line in lines if line]
     if not lines:
         return ""

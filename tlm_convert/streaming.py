@@ -48,6 +48,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ from .archs import (
     family_of,
     tlm_config_from_hf,
 )
-from .checkpoint import open_safetensors_lazy, weight_files
+from .checkpoint import weight_files
 from .compensate import obs_prune
 from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths
 from .data import load_text, token_blocks
@@ -101,6 +102,9 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the in-memory path's second MLP pass of a resized layer reuses the first pass's activations when it can
 _REUSE = getattr(calibrate, "_feed_forward_reusing", None)
+# importance metrics whose scores read only the down projection (importance.neuron_scores): with them a layer that
+# accumulates a Gram matrix releases its gate/up projections before scoring, not after
+DOWN_ONLY_METRICS = ("activation", "obs", "wanda_sp", "wifv", "random")
 
 
 # ============================================================================================== entry point
@@ -112,6 +116,8 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
     opts.validate()
     check_options(opts)
     out = Path(out)
+    if out.exists() and not opts.overwrite:
+        raise ConversionError(f"output {out} already exists; pass --overwrite or choose another -o")
     timer = PhaseTimer(on_phase)
     quiet = PhaseTimer(None)  # interleaved reads and evaluation: counted, but not announced as a phase change
     quiet.seconds = timer.seconds
@@ -178,7 +184,7 @@ class StreamSource:
     path: str
     family: str
     tlm_config: TLMConfig
-    tensors: object  # checkpoint.LazyTensors
+    tensors: SafetensorsFiles
     targets: dict[str, tuple[str, str, int]]
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
     tokenizer_path: str | None
@@ -212,10 +218,104 @@ class StreamSource:
         tensor = self.tensors[name]
         if not tensor.is_floating_point():
             return tensor
-        if not bool(torch.isfinite(tensor).all()):
+        if not _all_finite(tensor):
             raise ConversionError(f"tensor '{name}' in '{self.tensors.file(name)}' contains NaN or Inf values; the "
                                   "checkpoint is damaged (re-download it or fix the model that produced it)")
         return tensor.to(torch.float32)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsFiles(Mapping):
+    """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
+
+    No memory map: the pages of a mapped file stay in the process's resident set while it is mapped (safetensors'
+    ``safe_open`` keeps its mapping for the life of the handle), so streaming a 10 GB checkpoint through mapped
+    handles would count all of it in the peak RSS. Reads go through the page cache, which is not the process's.
+    Headers are read and checked (lengths, offsets, file sizes) up front; problems are ConversionErrors.
+    """
+
+    def __init__(self, files):
+        self._where: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        for file in files:
+            self._read_header(Path(file))
+
+    def _read_header(self, file: Path) -> None:
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < length <= size - 8:
+                    raise ValueError("the header length does not fit the file")
+                header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except FileNotFoundError:
+            raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
+        except (OSError, ValueError) as err:
+            raise _corrupt(file, err) from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                shape = tuple(int(n) for n in info["shape"])
+                start, end = (int(n) for n in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise _corrupt(file, f"bad header entry for {name}: {one_line(err)}") from None
+            if dtype is None:
+                raise ConversionError(f"tensor '{name}' in '{file}' has dtype {info['dtype']}, which tlm-convert does "
+                                      "not read; convert a bf16/fp16/fp32 checkpoint")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - start != nbytes or start < 0 or 8 + length + end > size:
+                raise _corrupt(file, f"the data of {name} lies outside the file")
+            if name in self._where:
+                raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
+                                      "shards overlap, re-download the checkpoint")
+            self._where[name] = (file, dtype, shape, 8 + length + start, nbytes)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, dtype, shape, offset, nbytes = self._where[name]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        try:
+            with open(file, "rb", buffering=0) as f:
+                f.seek(offset)
+                while done < nbytes:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise OSError("unexpected end of file")
+                    done += got
+        except OSError as err:
+            raise _corrupt(file, err) from None
+        return buffer.view(dtype).reshape(shape)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][2]
+
+    def file(self, name: str) -> str:
+        return str(self._where[name][0])
+
+
+def _corrupt(file, err) -> ConversionError:
+    return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
+
+
+def _all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
+    # in blocks: torch.isfinite on a whole tensor briefly takes about 1.7x the tensor's own size
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
 
 
 def open_source(source) -> StreamSource:
@@ -242,17 +342,18 @@ def open_source(source) -> StreamSource:
         raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
                               "model.safetensors)")
     raw = _read_json(path / "config.json")
-    kind, _files = weight_files(path)
+    kind, files = weight_files(path)
     if kind != "safetensors":
         raise ConversionError(f"'{path}' holds PyTorch .bin weights; --low-memory streams safetensors only: drop "
                               "--low-memory, or re-save the model with save_pretrained(..., safe_serialization=True)")
     tokenizer_path = str(path) if any((path / n).is_file() for n in _TOKENIZER_FILES) else None
     generation_config = _generation_config(path)
+    tensors = SafetensorsFiles(files)
     if raw.get("model_type") == "tlm":
-        config, tensors, targets = _tlm_targets(path)
+        config, targets = _tlm_targets(path, tensors)
         kind, family = "tlm", "tlm"
     else:
-        config, tensors, targets, family = _hf_targets(path, raw)
+        config, targets, family = _hf_targets(path, raw, tensors)
         kind = "hf"
     shapes = {name: _target_shape(kind_, tensors.shape(src), part)
               for name, (src, kind_, part) in targets.items()}
@@ -287,7 +388,7 @@ def _generation_config(path: Path):
         return None
 
 
-def _hf_targets(path: Path, raw: dict):
+def _hf_targets(path: Path, raw: dict, tensors):
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
@@ -308,7 +409,6 @@ def _hf_targets(path: Path, raw: dict):
     if getattr(hf_config, "is_heterogeneous", False):
         raise ConversionError(f"'{path}' has per-layer widths (per_layer_config, a tapered --export hf view); "
                               "convert its --export tlm or --export padded view instead")
-    tensors = open_safetensors_lazy(path)
     family = family_of(hf_config)
     try:
         canonical = canonical_source_state_dict(hf_config, {name: name for name in tensors})  # canonical -> file name
@@ -339,20 +439,19 @@ def _hf_targets(path: Path, raw: dict):
         raise ConversionError(f"the weights in '{path}' do not match its config: unexpected source tensor(s) "
                               f"{', '.join(unexpected[:3])}" + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3
                                                                 else "") + "; re-download the checkpoint or fix config.json")
-    return config, tensors, targets, family
+    return config, targets, family
 
 
-def _tlm_targets(path: Path):
+def _tlm_targets(path: Path, tensors):
     try:
         config = TLMConfig.from_pretrained(str(path))
     except Exception as err:
         raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
-    tensors = open_safetensors_lazy(path)
     names = set(tensors)
     if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
         config.tie_word_embeddings = True
     targets = {n: (n, COPY, 0) for n in tensors if not (n == "lm_head.weight" and config.tie_word_embeddings)}
-    return config, tensors, targets
+    return config, targets
 
 
 def _target_shape(kind: str, shape: tuple[int, ...], part: int) -> tuple[int, ...]:
@@ -504,6 +603,8 @@ class _Run:
                                    keep=keep) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
         with self.timer("rank"):
+            if stats.gram is not None and opts.importance in DOWN_ONLY_METRICS:
+                _release_inputs(layer.mlp)  # not needed until the resize, which reads them again
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if getattr(layer.mlp, n, None) is not None}
             score = neuron_scores(opts.importance, stats, weights, seed=opts.seed + i)
@@ -548,6 +649,7 @@ class _Run:
                 del after
         with self.timer("save"):
             self._write_shard(i + 2, state)
+        _trim_heap()
         logger.info("layer %d: width %d -> %d, peak RSS %.0f MB", i, source_width, width, peak_rss_mb())
 
     def _final_shard(self) -> None:
@@ -639,6 +741,23 @@ def _run_layer(base, layer, h, positions):
     """One layer of TLMModel.forward (no cache, no padding)."""
     rope, masks = base.block_context(h, positions)
     return layer(h, rope.get(layer.layer_type), masks[layer.layer_type], None)
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc malloc_trim) so that freed layers leave the RSS."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def _release_inputs(mlp) -> None:
