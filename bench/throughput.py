@@ -393,6 +393,7 @@ def main(argv=None) -> int:
     autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     names = [args.profile] if args.profile else args.models
 
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     load_start, git_start = loadavg(), git_commit()  # the tree others edit may move during a long run
     models, checks = build_models(names, args, device)
     gen = torch.Generator().manual_seed(args.seed)
@@ -431,7 +432,7 @@ def main(argv=None) -> int:
     report = {
         "bench": "throughput",
         "issue": 2,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": started,  # UTC, start of the run
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "git": git_start,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

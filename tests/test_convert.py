@@ -109,7 +109,7 @@ def test_hooks_are_removed_when_a_batch_fails():
 def test_refit_lowers_the_layer_reconstruction_error(tmp_path, tokenizer):
     src = load_source(str(make_source(tmp_path / "src", "llama", tokenizer=tokenizer)))
     text = DATA.read_text()
-    blocks = torch.tensor(tokenizer(text)["input_ids"][: 32 * 64]).view(32, 64)
+    blocks = torch.tensor(tokenizer(text)["input_ids"][: 16 * 64]).view(16, 64)
     errors = {}
     for refit in (False, True):
         model = tlm.TLMForCausalLM(src.tlm_config).eval()

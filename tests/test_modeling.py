@@ -177,7 +177,8 @@ def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
         if ckpt:
             enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable()
-        loss = model(ids, labels=ids, use_cache=False).loss
+        short = ids[:, :9]  # crosses a chunk boundary of the memory mixers, stays cheap
+        loss = model(short, labels=short, use_cache=False).loss
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10

@@ -35,13 +35,19 @@ def _leftovers(parent, name):
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.tmp-")]
 
 
-@pytest.mark.parametrize("family, extra", [("llama", dict(eval_data=str(DATA), eval_tokens=192)), ("gpt2", {})])
-def test_low_memory_writes_the_in_memory_tensors(family, extra, sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family, extra, frugal", [
+    ("llama", dict(eval_data=str(DATA), eval_tokens=192), False),  # small enough for the in-memory path's steps
+    ("gpt2", dict(refit_target="residual"), True),  # blocked Gram and refit, activations not kept
+])
+def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources, tmp_path, monkeypatch):
     src = sources[family]
     seen = []
     with monkeypatch.context() as patch:  # the reference's plot is not under test here (saves time)
         patch.setattr(report, "write_plot", lambda _report, path: path.write_bytes(b""))
         full = convert(str(src), str(tmp_path / "full"), ConvertOptions(**OPTS, **extra))
+    if frugal:  # the code paths of wide layers, forced on the tiny ones
+        monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)
+        monkeypatch.setattr(streaming, "KEEP_ACTIVATIONS_BYTES", 0)
     low = convert(str(src), str(tmp_path / "low"), ConvertOptions(low_memory=True, **OPTS, **extra),
                   on_layer=seen.append)
     assert seen == [0, 1, 2, 3]
@@ -72,7 +78,7 @@ def test_low_memory_writes_the_in_memory_tensors(family, extra, sources, tmp_pat
 
 @pytest.mark.parametrize("change, message", [
     (dict(export="hf"), "writes --export tlm only \\(--export hf needs"),
-    (dict(export="deci"), "drop --low-memory, or use --export tlm"),
+    (dict(export="padded"), "drop --low-memory, or use --export tlm"),
     (dict(mixer="titans"), "titans mixer"),
     (dict(device="cuda"), "runs on the CPU; drop --device cuda or --low-memory"),
 ])

@@ -164,6 +164,8 @@ class _OutputGuard:
 @click.option("--grow-init", default="noise", show_default=True, type=click.Choice(["noise", "zero", "split"]))
 @click.option("--refit/--no-refit", default=True, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")
+@click.option("--refit-target", default="residual", show_default=True, type=click.Choice(["residual", "local"]),
+              help="Fit pruned MLPs to restore the source residual stream (residual) or their own output (local).")
 @click.option("--mixer", default="attention", show_default=True,
               type=click.Choice(["attention", "gated_attention", "hope_attention", "titans"]))
 @click.option("--export", "export_format", default="tlm", show_default=True,

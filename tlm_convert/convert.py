@@ -49,7 +49,7 @@ class ConvertOptions:
     importance: str = "activation"
     grow_init: str = "noise"
     refit: bool = True
-    refit_target: str = "local"
+    refit_target: str = "residual"
     mixer: str = "attention"
     export: str = "tlm"
     eval_data: str | None = None

@@ -17,23 +17,28 @@ temporary folder is removed and OUT is left as it was.
 
 The arithmetic is that of :func:`tlm_convert.calibrate.calibrate_and_plan` (same functions, seeds, batches and
 order of operations: ``neuron_scores``, ``plan_from_scores``, ``obs_prune``, ``resize_layer``, ``_mix``,
-``_feed_forward_reusing``, ``upcycle._split_mlp``), so both paths write the same tensors. Where the in-memory path
-would hold large temporaries, this one is frugal, with results equal up to floating-point rounding:
+``_feed_forward_reusing``, ``_residual_cross``, ``upcycle._split_mlp``; ``refit_target="residual"`` carries the
+source model's residual stream alongside), so both paths write the same tensors: bit for bit on small models, where
+every step below takes the in-memory path's own route. Where that path would hold large temporaries, this one is
+frugal, with results equal up to floating-point rounding:
 
+* tensors are read with plain file reads, not memory maps (a mapped checkpoint's pages count in the RSS);
 * the Gram matrix AᵀA (I × I, fp64) is accumulated in row blocks (no I × I fp32 product and fp64 copy per batch);
 * the least-squares refit of a shrinking layer builds G_KK inside the Gram matrix's own storage and factors and
-  solves it in place with LAPACK (``refit_down_proj_inplace``), and the layer's gate/up projections are released
-  during the refit and read again from disk for the resize;
+  solves it in place with LAPACK (``refit_down_proj_inplace``); the layer's gate/up projections are released
+  before scoring (for metrics that only read the down projection) and read again from disk for the resize;
 * the first-pass MLP activations are kept for the second pass (as the in-memory path does) only while they take
-  at most ``KEEP_ACTIVATIONS_BYTES``; above that the resized MLP is simply run again;
+  at most ``KEEP_ACTIVATIONS_BYTES``; above that the resized MLP is run again (and the residual target's AᵀY is
+  summed batch by batch in the hook);
 * the attention weights are released once the calibration tokens are mixed and read again when the layer is
-  written; perplexity logits are formed one sequence at a time.
+  written; perplexity logits are formed one sequence at a time; freed heap pages go back to the OS after every layer.
 
-For a layer of width I and hidden size d the peak is about 8·I² (the Gram matrix) + 8·I·d (a fp64 copy of the
-down projection) + 8·K·d (the right-hand side) bytes, plus the layer's MLP and the process itself: about 2.5 GB for
-a 7B-class Llama layer (I = 11008, d = 4096). ``--importance obs`` keeps ``obs_prune``'s dense I × I inverse and is
-not memory-frugal. ``--mixer titans`` (fresh weights drawn from the whole model's seeded init) and exports other
-than ``tlm`` are refused: they need the whole model in memory.
+For an MLP of width I (kept K) and hidden size d the peak is about 8·I² (the Gram matrix) + 8·I·d (an fp64 copy of
+the down projection) + 8·K·d (the right-hand side) bytes plus the layer's down projection and the process itself:
+2.46 GB measured for a 7B-class Llama layer shape (I = 11008, d = 4096; bench/low_memory.py). ``--importance obs``
+keeps ``obs_prune``'s dense I × I inverse and is not memory-frugal. ``--mixer titans`` (fresh weights drawn from the
+whole model's seeded init), exports other than ``tlm``, GGUF and .bin sources are refused with the fix: they need the
+whole model in memory.
 """
 
 from __future__ import annotations
@@ -134,6 +139,7 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
         evalb = _eval_blocks(tokenizer, opts)
     report = _report_head(SimpleNamespace(path=src.path, kind=src.kind, family=src.family,
                                           tlm_config=src.tlm_config), opts, widths, calib)
+    report["notes"] = list(src.notes)
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_disk_space(out.parent, src.num_params, opts.dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -152,6 +158,9 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
         report["shards"] = run.num_shards
         with timer("save"):
             _write_reports(tmp, report, timer)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700; the output gets the usual permissions
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -189,6 +198,7 @@ class StreamSource:
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
     tokenizer_path: str | None
     generation_config: object | None
+    notes: list[str]  # what was adjusted while reading (as checkpoint.Source.notes)
 
     @property
     def num_params(self) -> int:
@@ -348,18 +358,19 @@ def open_source(source) -> StreamSource:
                               "--low-memory, or re-save the model with save_pretrained(..., safe_serialization=True)")
     tokenizer_path = str(path) if any((path / n).is_file() for n in _TOKENIZER_FILES) else None
     generation_config = _generation_config(path)
-    tensors = SafetensorsFiles(files)
+    tensors, notes = SafetensorsFiles(files), []
     if raw.get("model_type") == "tlm":
-        config, targets = _tlm_targets(path, tensors)
+        config, targets = _tlm_targets(path, tensors, notes)
         kind, family = "tlm", "tlm"
     else:
-        config, targets, family = _hf_targets(path, raw, tensors)
+        config, targets, family = _hf_targets(path, raw, tensors, notes)
         kind = "hf"
     shapes = {name: _target_shape(kind_, tensors.shape(src), part)
               for name, (src, kind_, part) in targets.items()}
     _check_shapes(config, shapes, path)
     return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
-                        shapes=shapes, tokenizer_path=tokenizer_path, generation_config=generation_config)
+                        shapes=shapes, tokenizer_path=tokenizer_path, generation_config=generation_config,
+                        notes=notes)
 
 
 def _gguf_refused(path) -> ConversionError:
@@ -388,7 +399,7 @@ def _generation_config(path: Path):
         return None
 
 
-def _hf_targets(path: Path, raw: dict, tensors):
+def _hf_targets(path: Path, raw: dict, tensors, notes: list):
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
@@ -416,6 +427,7 @@ def _hf_targets(path: Path, raw: dict, tensors):
         raise ConversionError(f"'{path}': {one_line(err)}; re-download the checkpoint") from None
     if "lm_head.weight" not in canonical and not getattr(hf_config, "tie_word_embeddings", False):
         hf_config.tie_word_embeddings = True  # as load_source: no head in the file means a tied head
+        notes.append(_TIED_NOTE)
     try:
         config = tlm_config_from_hf(hf_config)
     except ValueError as err:
@@ -436,22 +448,26 @@ def _hf_targets(path: Path, raw: dict, tensors):
         for part, out in enumerate((outs,) if isinstance(outs, str) else outs):
             targets[out.format(i=layer)] = (file_name, kind, part)
     if unexpected:
+        more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise ConversionError(f"the weights in '{path}' do not match its config: unexpected source tensor(s) "
-                              f"{', '.join(unexpected[:3])}" + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3
-                                                                else "") + "; re-download the checkpoint or fix config.json")
+                              f"{', '.join(unexpected[:3])}{more}; re-download the checkpoint or fix config.json")
     return config, targets, family
 
 
-def _tlm_targets(path: Path, tensors):
+def _tlm_targets(path: Path, tensors, notes: list):
     try:
         config = TLMConfig.from_pretrained(str(path))
     except Exception as err:
         raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
     names = set(tensors)
-    if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+    if "lm_head.weight" not in names and "model.embed_tokens.weight" in names and not config.tie_word_embeddings:
         config.tie_word_embeddings = True
+        notes.append(_TIED_NOTE)
     targets = {n: (n, COPY, 0) for n in tensors if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     return config, targets
+
+
+_TIED_NOTE = "the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings"
 
 
 def _target_shape(kind: str, shape: tuple[int, ...], part: int) -> tuple[int, ...]:
@@ -503,7 +519,8 @@ def _final_config(config: TLMConfig, widths: list[int], mixer: str) -> TLMConfig
     if mixer == "attention":
         return new
     if any(m != "attention" for m in new.mixer):  # the checks of upcycle.upcycle
-        raise ConversionError(f"--mixer {mixer} upcycles attention layers only; this model has {sorted(set(new.mixer))}")
+        raise ConversionError(f"--mixer {mixer} upcycles attention layers only; this model has "
+                              f"{sorted(set(new.mixer))}")
     if mixer == "hope_attention" and (new.mlp_bias or not new.mlp_gated):
         raise ConversionError("--mixer hope_attention needs a gated MLP without biases (Llama, Qwen, Gemma); "
                               "GPT-2-style MLPs cannot be split into continuum-memory levels")
@@ -552,6 +569,10 @@ class _Run:
         self.eval_positions = None if evalb is None else [torch.arange(b.shape[1]).expand(b.shape[0], -1)
                                                           for b in self.eval_batches]
         self.perplexity_before = self.perplexity_after = None
+        # calibrate_and_plan's refit_target="residual": refit to the source model's residual stream, carried too
+        self.residual = (opts.refit and getattr(opts, "refit_target", "local") == "residual"
+                         and not src.tlm_config.sandwich_norm)
+        self.source_hidden = None
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -568,6 +589,8 @@ class _Run:
         with self.quiet("load"):
             tensors = self.src.read(first)
             self.hidden = self._embed(self.base, tensors, self.batches, self.positions)
+            if self.residual:
+                self.source_hidden = list(self.hidden)
             cast = {k: v.to(self.dtype) for k, v in tensors.items()}
             if self.eval_batches is not None:
                 self.eval_before = self._embed(self.base, tensors, self.eval_batches, self.eval_positions)
@@ -596,12 +619,25 @@ class _Run:
                                     for h, p in zip(self.eval_before, self.eval_positions)]
         keep = (_REUSE is not None and width != source_width
                 and self.calib_tokens * source_width * 4 <= KEEP_ACTIVATIONS_BYTES)
+        cross = None
         with self.timer("calibrate"):
             mixed = [calibrate._mix(self.base, layer, h, p) for h, p in zip(self.hidden, self.positions)]
+            if self.residual:  # the source layer on the source stream (the in-memory path runs it right after the
+                # hooked pass below, with the same, not yet resized, weights)
+                self.source_hidden = [layer.feed_forward(calibrate._mix(self.base, layer, h, p))
+                                      for h, p in zip(self.source_hidden, self.positions)]
             layer.self_attn = None  # read again when the layer is written
+            on_batch = None
+            if self.residual and shrinking and not keep:  # Aᵀ(h_src − z − b) batch by batch, activations not kept
+                cross = _CrossAccumulator(layer, mixed, self.source_hidden)
+                on_batch = cross.add
             with _activation_stats(layer.mlp.down_proj, gram=shrinking and (opts.refit or opts.importance == "obs"),
-                                   keep=keep) as stats:
+                                   keep=keep, on_batch=on_batch) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
+            if cross is not None:
+                cross = cross.total
+            elif self.residual and shrinking:
+                cross = calibrate._residual_cross(layer, mixed, stats.kept, self.source_hidden)
         with self.timer("rank"):
             if stats.gram is not None and opts.importance in DOWN_ONLY_METRICS:
                 _release_inputs(layer.mlp)  # not needed until the resize, which reads them again
@@ -617,8 +653,8 @@ class _Run:
                     del weights
                     _release_inputs(layer.mlp)  # gate/up: read again for the resize
                     plan.down_override = refit_down_proj_inplace(stats.gram, layer.mlp.down_proj.weight, plan.keep,
-                                                                 damp=DAMP)
-            weights = None
+                                                                 damp=DAMP, cross=cross)
+            weights = cross = None
             stats.gram = None
         if width != source_width:
             with self.timer("resize"):
@@ -887,22 +923,43 @@ class BlockedGramStats(ActivationStats):
             gram[r : r + rows] += (flat[:, r : r + rows].T @ flat).double()
 
 
+class _CrossAccumulator:
+    """calibrate._residual_cross summed batch by batch as the hook sees each batch's activations (same additions,
+    in the same order), for layers whose activations are too large to keep."""
+
+    def __init__(self, layer, mixed, source_hidden):
+        self.layer, self.mixed, self.source_hidden = layer, mixed, source_hidden
+        self.total, self.batch = 0, 0
+
+    def add(self, a: torch.Tensor) -> None:
+        j = self.batch
+        self.total = self.total + calibrate._residual_cross(self.layer, [self.mixed[j]], [a], [self.source_hidden[j]])
+        self.batch += 1
+
+
 @contextmanager
-def _activation_stats(down_proj, gram: bool = False, keep: bool = False):
+def _activation_stats(down_proj, gram: bool = False, keep: bool = False, on_batch=None):
     stats = BlockedGramStats(down_proj.in_features, gram=gram, **({"keep": True} if keep else {}))
-    handle = down_proj.register_forward_pre_hook(lambda _module, args: stats.update(args[0].detach()))
+
+    def hook(_module, args):
+        stats.update(args[0].detach())
+        if on_batch is not None:
+            on_batch(args[0].detach())
+
+    handle = down_proj.register_forward_pre_hook(hook)
     try:
         yield stats
     finally:
         handle.remove()
 
 
-def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int],
-                            damp: float = 0.01) -> torch.Tensor:
+def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
+                            cross: torch.Tensor | None = None) -> torch.Tensor:
     """``compensate.refit_down_proj`` (the same solution up to rounding) with no K × K or I × I temporaries.
 
     gram: (I, I) fp64, contiguous, DESTROYED (its storage holds G_KK + λI and then its Cholesky factor);
-    down: (d, I); keep: ascending kept indices -> the new down projection (d, |K|) in ``down.dtype``.
+    down: (d, I); keep: ascending kept indices; cross: (I, d) = AᵀY for another target Y than A Dᵀ (the residual
+    target) -> the new down projection (d, |K|) in ``down.dtype``.
     """
     import numpy as np
     from scipy.linalg import lapack
@@ -911,13 +968,16 @@ def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[i
         raise ValueError("refit_down_proj_inplace needs a contiguous float64 Gram matrix")
     n, k, d = gram.shape[0], len(keep), down.shape[0]
     idx = torch.tensor(keep, dtype=torch.long)
-    # right-hand side G_K: Dᵀ (K, d), built transposed (d, K) so that LAPACK solves it in place
-    down_t = down.double().T  # (I, d)
+    # right-hand side G_K: Dᵀ (K, d) (or cross[K]), built transposed (d, K) so that LAPACK solves it in place
     rhs_t = torch.empty(d, k, dtype=torch.float64)
-    rows = _block_rows(8 * (n + d))
-    for s in range(0, k, rows):
-        rhs_t[:, s : s + rows] = (gram[idx[s : s + rows]] @ down_t).T
-    del down_t
+    if cross is not None:
+        rhs_t.copy_(cross[idx].T)
+    else:
+        down_t = down.double().T  # (I, d)
+        rows = _block_rows(8 * (n + d))
+        for s in range(0, k, rows):
+            rhs_t[:, s : s + rows] = (gram[idx[s : s + rows]] @ down_t).T
+        del down_t
     # G_KK compacted into the first K·K entries of the Gram storage: kept row j = keep[r] >= r goes to offset r·K,
     # which ends at (r+1)·K <= keep[r+1]·I, so no row is overwritten before it has been read
     flat = gram.view(-1)
