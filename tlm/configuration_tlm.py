@@ -56,7 +56,8 @@ class TLMConfig(PretrainedConfig):
         layer_types, sliding_window: per-layer attention window.
         scale_embeddings: multiply embeddings by sqrt(hidden_size) (Gemma).
         gate_type: gated attention gate, "elementwise" or "headwise".
-        titans_*: Titans memory (heads, head dim, depth, expansion, chunk size, theta_max, conv kernel).
+        titans_*: Titans memory (heads, head dim, depth, expansion, chunk size, theta_max, conv kernel, and the
+            per-token surprise-norm clip that keeps the inner updates bounded; None disables it).
         hope_*: Hope continuum memory (level shares, modes, topology, chunk size, inner learning rate).
     """
 
@@ -105,6 +106,7 @@ class TLMConfig(PretrainedConfig):
         titans_chunk_size: int = 16,
         titans_theta_max: float = 0.1,
         titans_conv_kernel: int = 4,
+        titans_surprise_clip: float | None = 1.0,
         hope_level_shares: list[float] | None = None,
         hope_level_modes: list[str] | None = None,
         hope_topology: str = "chain",
@@ -158,6 +160,7 @@ class TLMConfig(PretrainedConfig):
         self.titans_chunk_size = titans_chunk_size
         self.titans_theta_max = titans_theta_max
         self.titans_conv_kernel = titans_conv_kernel
+        self.titans_surprise_clip = titans_surprise_clip
         self.hope_level_shares = list(hope_level_shares) if hope_level_shares else [1 / 3, 1 / 3, 1 / 3]
         self.hope_level_modes = list(hope_level_modes) if hope_level_modes else ["online", "static", "static"]
         self.hope_topology = hope_topology

@@ -31,6 +31,7 @@ class TitansAttention(Attention):
             theta_max=config.titans_theta_max,
             conv_kernel=config.titans_conv_kernel,
             norm_eps=config.norm_eps,
+            surprise_clip=config.titans_surprise_clip,
         )
         mem_dim = config.titans_num_heads * config.titans_head_dim
         self.memory_gate = nn.Linear(mem_dim, self.num_heads * self.head_dim, bias=False)

@@ -17,16 +17,17 @@ temporary folder is removed and OUT is left as it was.
 
 The arithmetic is that of :func:`tlm_convert.calibrate.calibrate_and_plan` (same functions, seeds, batches and
 order of operations: ``neuron_scores``, ``plan_from_scores``, ``obs_prune``, ``resize_layer``, ``_mix``,
-``_feed_forward_reusing``, ``_residual_cross``, ``upcycle._split_mlp``; ``refit_target="residual"`` carries the
-source model's residual stream alongside), so both paths write the same tensors: bit for bit on small models, where
-every step below takes the in-memory path's own route. Where that path would hold large temporaries, this one is
+``_feed_forward_reusing``, ``upcycle._split_mlp``, and ``_residual_cross``'s sum; ``refit_target="residual"``
+carries the source model's residual stream alongside), so both paths write the same tensors: bit for bit on small
+models, where every step below takes the in-memory path's own route. Where that path would hold large temporaries, this one is
 frugal, with results equal up to floating-point rounding:
 
 * tensors are read with plain file reads, not memory maps (a mapped checkpoint's pages count in the RSS);
 * the Gram matrix AᵀA (I × I, fp64) is accumulated in row blocks (no I × I fp32 product and fp64 copy per batch);
 * the least-squares refit of a shrinking layer builds G_KK inside the Gram matrix's own storage and factors and
   solves it in place with LAPACK (``refit_down_proj_inplace``); the layer's gate/up projections are released
-  before scoring (for metrics that only read the down projection) and read again from disk for the resize;
+  after the statistics pass (for metrics that only read the down projection) and read again for the resize;
+* the residual target's AᵀY (I × d, fp64) is summed in place in row blocks and freed before the solve;
 * the first-pass MLP activations are kept for the second pass (as the in-memory path does) only while they take
   at most ``KEEP_ACTIVATIONS_BYTES``; above that the resized MLP is run again (and the residual target's AᵀY is
   summed batch by batch in the hook);
@@ -619,7 +620,6 @@ class _Run:
                                     for h, p in zip(self.eval_before, self.eval_positions)]
         keep = (_REUSE is not None and width != source_width
                 and self.calib_tokens * source_width * 4 <= KEEP_ACTIVATIONS_BYTES)
-        cross = None
         with self.timer("calibrate"):
             mixed = [calibrate._mix(self.base, layer, h, p) for h, p in zip(self.hidden, self.positions)]
             if self.residual:  # the source layer on the source stream (the in-memory path runs it right after the
@@ -627,20 +627,17 @@ class _Run:
                 self.source_hidden = [layer.feed_forward(calibrate._mix(self.base, layer, h, p))
                                       for h, p in zip(self.source_hidden, self.positions)]
             layer.self_attn = None  # read again when the layer is written
-            on_batch = None
-            if self.residual and shrinking and not keep:  # Aᵀ(h_src − z − b) batch by batch, activations not kept
-                cross = _CrossAccumulator(layer, mixed, self.source_hidden)
-                on_batch = cross.add
+            # the residual target's AᵀY: from the kept activations after this pass, else batch by batch in the hook
+            cross = _CrossAccumulator(layer, mixed, self.source_hidden) if self.residual and shrinking else None
             with _activation_stats(layer.mlp.down_proj, gram=shrinking and (opts.refit or opts.importance == "obs"),
-                                   keep=keep, on_batch=on_batch) as stats:
+                                   keep=keep, on_batch=cross.add if cross is not None and not keep else None) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
-            if cross is not None:
-                cross = cross.total
-            elif self.residual and shrinking:
-                cross = calibrate._residual_cross(layer, mixed, stats.kept, self.source_hidden)
-        with self.timer("rank"):
             if stats.gram is not None and opts.importance in DOWN_ONLY_METRICS:
                 _release_inputs(layer.mlp)  # not needed until the resize, which reads them again
+            if cross is not None and keep:
+                for a in stats.kept:
+                    cross.add(a)
+        with self.timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if getattr(layer.mlp, n, None) is not None}
             score = neuron_scores(opts.importance, stats, weights, seed=opts.seed + i)
@@ -653,7 +650,7 @@ class _Run:
                     del weights
                     _release_inputs(layer.mlp)  # gate/up: read again for the resize
                     plan.down_override = refit_down_proj_inplace(stats.gram, layer.mlp.down_proj.weight, plan.keep,
-                                                                 damp=DAMP, cross=cross)
+                                                                 damp=DAMP, cross=cross.take() if cross else None)
             weights = cross = None
             stats.gram = None
         if width != source_width:
@@ -924,17 +921,38 @@ class BlockedGramStats(ActivationStats):
 
 
 class _CrossAccumulator:
-    """calibrate._residual_cross summed batch by batch as the hook sees each batch's activations (same additions,
-    in the same order), for layers whose activations are too large to keep."""
+    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time and in place.
+
+    The same products and additions in the same order (0 + X₀ + X₁ + ...), with the (I, d) fp32 product and its
+    fp64 copy formed in row blocks of at most BLOCK_BYTES; a layer narrow enough for one block takes exactly
+    ``_residual_cross``'s steps.
+    """
 
     def __init__(self, layer, mixed, source_hidden):
         self.layer, self.mixed, self.source_hidden = layer, mixed, source_hidden
-        self.total, self.batch = 0, 0
+        self.total, self.batch = None, 0
 
     def add(self, a: torch.Tensor) -> None:
-        j = self.batch
-        self.total = self.total + calibrate._residual_cross(self.layer, [self.mixed[j]], [a], [self.source_hidden[j]])
+        z, h = self.mixed[self.batch], self.source_hidden[self.batch]
         self.batch += 1
+        bias = self.layer.mlp.down_proj.bias
+        target = (h - z) if bias is None else (h - z - bias)  # (B, S, d)
+        acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
+        width = acts.shape[0]
+        rows = _block_rows(12 * target.shape[1])
+        if rows >= width:
+            product = (acts @ target).double()
+            self.total = product if self.total is None else self.total.add_(product)
+            return
+        if self.total is None:
+            self.total = torch.zeros(width, target.shape[1], dtype=torch.float64)  # 0 + X₀ = X₀
+        for r in range(0, width, rows):
+            self.total[r : r + rows] += (acts[r : r + rows] @ target).double()
+
+    def take(self) -> torch.Tensor:
+        """The sum, handed over (the accumulator lets go of it, so that the refit can free it early)."""
+        total, self.total = self.total, None
+        return total
 
 
 @contextmanager
@@ -972,6 +990,7 @@ def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[i
     rhs_t = torch.empty(d, k, dtype=torch.float64)
     if cross is not None:
         rhs_t.copy_(cross[idx].T)
+        del cross  # the caller handed it over: free it before the solve
     else:
         down_t = down.double().T  # (I, d)
         rows = _block_rows(8 * (n + d))
