@@ -634,13 +634,15 @@ class _Run:
                 hidden = [layer.feed_forward(z) for z in mixed]
             if stats.gram is not None and opts.importance in DOWN_ONLY_METRICS:
                 _release_inputs(layer.mlp)  # not needed until the resize, which reads them again
-            if cross is not None and keep:
-                for a in stats.kept:
-                    cross.add(a)
         with self.timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if getattr(layer.mlp, n, None) is not None}
             score = neuron_scores(opts.importance, stats, weights, seed=opts.seed + i)
+        if cross is not None and keep:  # after the scores, whose fp64 temporaries are as large as AᵀY
+            with self.timer("calibrate"):
+                for a in stats.kept:
+                    cross.add(a)
+        with self.timer("rank"):
             if shrinking and opts.importance == "obs":
                 kept, down = obs_prune(stats.gram, weights["down_proj"], width, damp=DAMP)
                 plan = LayerPlan(keep=kept, down_override=down)
