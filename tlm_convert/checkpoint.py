@@ -389,6 +389,15 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
         return _load_tlm(path, dtype)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(model_type, raw.get("architectures"), path)
+    hf_config = read_hf_config(path, raw)
+    weight_files(path)  # "config without weights" before anything is read
+    tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
+    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
+                    generation_config=_generation_config(path))
+
+
+def read_hf_config(path: Path, raw: dict):
+    """The transformers config of a source folder, refusing quantized and per-layer (tapered hf view) configs."""
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
@@ -404,10 +413,7 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     if getattr(hf_config, "is_heterogeneous", False):
         raise ConversionError(f"'{path}' has per-layer widths (per_layer_config, a tapered --export hf view); "
                               "convert its --export tlm or --export padded view instead")
-    weight_files(path)  # "config without weights" before anything is read
-    tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
-    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
-                    generation_config=_generation_config(path))
+    return hf_config
 
 
 def _tokenizer_folder(path: Path) -> str | None:

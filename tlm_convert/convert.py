@@ -253,15 +253,20 @@ def _write_output(model, out: Path, src, opts, report, timer) -> None:
 
         write_plot(report, tmp / "widths.png")
         write_markdown(report, tmp / "report.md")
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700; the output should get the usual permissions
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move a finished temporary output folder onto ``out`` (replacing it), with the usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def peak_rss_mb() -> float:

@@ -82,9 +82,9 @@ from .archs import (
     family_of,
     tlm_config_from_hf,
 )
-from .checkpoint import weight_files
+from .checkpoint import read_hf_config, weight_files
 from .compensate import obs_prune
-from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths
+from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths, publish
 from .data import load_text, token_blocks
 from .errors import ConversionError, one_line
 from .importance import ActivationStats, neuron_scores
@@ -159,12 +159,7 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
         report["shards"] = run.num_shards
         with timer("save"):
             _write_reports(tmp, report, timer)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700; the output gets the usual permissions
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -406,21 +401,7 @@ def _hf_targets(path: Path, raw: dict, tensors, notes: list):
         arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
         raise ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{path}'; tlm-convert "
                               f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ConversionError(f"'{path}' is a quantized checkpoint (quant_method {method!r}); convert the "
-                              "unquantized (bf16/fp16/fp32) model instead")
-    from transformers import AutoConfig
-
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path))
-    except Exception as err:
-        raise ConversionError(f"config.json in '{path}' cannot be read by transformers ({one_line(err)}); fix or "
-                              "re-download it") from None
-    if getattr(hf_config, "is_heterogeneous", False):
-        raise ConversionError(f"'{path}' has per-layer widths (per_layer_config, a tapered --export hf view); "
-                              "convert its --export tlm or --export padded view instead")
+    hf_config = read_hf_config(path, raw)
     family = family_of(hf_config)
     try:
         canonical = canonical_source_state_dict(hf_config, {name: name for name in tensors})  # canonical -> file name
