@@ -209,3 +209,15 @@ def test_tied_and_untied_embeddings(tmp_path):
     untied.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(again.lm_head.weight, untied.lm_head.weight)
+
+
+def test_titans_memory_stays_finite_at_cpu_config_width():
+    # regression: with titans_surprise_clip=None this (CPU-recipe-sized) config's memory diverges to NaN at 256 tokens
+    torch.manual_seed(0)
+    config = tlm.TLMConfig(vocab_size=512, hidden_size=384, num_hidden_layers=2, num_attention_heads=6,
+                           num_key_value_heads=2, intermediate_size=1024, mixer=["attention", "titans"],
+                           titans_num_heads=6, titans_head_dim=64)
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = tlm.TLMForCausalLM(config)(ids, labels=ids, use_cache=False).loss
+    assert torch.isfinite(loss)
