@@ -601,6 +601,10 @@ class _Run:
                                     for h, p in zip(self.eval_before, self.eval_positions)]
         keep = (_REUSE is not None and width != source_width
                 and self.calib_tokens * source_width * 4 <= KEEP_ACTIVATIONS_BYTES)
+        gram = shrinking and (opts.refit or opts.importance == "obs")
+        # with the activations kept, the Gram matrix (and the residual target's AᵀY) are built from them after the
+        # scores: the scores' fp64 temporaries and the I × I Gram matrix are then never in memory together
+        late = gram and keep
         with self.timer("calibrate"):
             mixed = [calibrate._mix(self.base, layer, h, p) for h, p in zip(self.hidden, self.positions)]
             if self.residual:  # the source layer on the source stream (the in-memory path runs it right after the
@@ -608,34 +612,47 @@ class _Run:
                 self.source_hidden = [layer.feed_forward(calibrate._mix(self.base, layer, h, p))
                                       for h, p in zip(self.source_hidden, self.positions)]
             layer.self_attn = None  # read again when the layer is written
-            # the residual target's AᵀY: from the kept activations after this pass, else batch by batch in the hook
-            cross = _CrossAccumulator(layer, mixed, self.source_hidden) if self.residual and shrinking else None
-            with _activation_stats(layer.mlp.down_proj, gram=shrinking and (opts.refit or opts.importance == "obs"),
-                                   keep=keep, on_batch=cross.add if cross is not None and not keep else None) as stats:
+            cross = None  # AᵀY for the residual target: here batch by batch in the hook, or later from kept activations
+            if self.residual and shrinking and opts.refit and not late:
+                cross = _CrossAccumulator(layer, mixed, self.source_hidden)
+            with _activation_stats(layer.mlp.down_proj, gram=gram and not late, keep=keep,
+                                   on_batch=cross.add if cross is not None else None) as stats:
                 hidden = [layer.feed_forward(z) for z in mixed]
-            if stats.gram is not None and opts.importance in DOWN_ONLY_METRICS:
+            if gram and opts.importance in DOWN_ONLY_METRICS:
                 _release_inputs(layer.mlp)  # not needed until the resize, which reads them again
         with self.timer("rank"):
             weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
                        if getattr(layer.mlp, n, None) is not None}
             score = neuron_scores(opts.importance, stats, weights, seed=opts.seed + i)
-        if cross is not None and keep:  # after the scores, whose fp64 temporaries are as large as AᵀY
+            down = weights["down_proj"]
+            weights = None
+        if late:
             with self.timer("calibrate"):
-                for a in stats.kept:
-                    cross.add(a)
+                stats.gram = torch.zeros(source_width, source_width, dtype=torch.float64)
+                for a in stats.kept:  # the hook's additions, in the hook's order
+                    _add_gram(stats.gram, a)
         with self.timer("rank"):
             if shrinking and opts.importance == "obs":
-                kept, down = obs_prune(stats.gram, weights["down_proj"], width, damp=DAMP)
-                plan = LayerPlan(keep=kept, down_override=down)
+                keep_idx, new_down = obs_prune(stats.gram, down, width, damp=DAMP)
+                plan = LayerPlan(keep=keep_idx, down_override=new_down)
             else:
                 plan = plan_from_scores([score], [width])[0]
-                if shrinking and opts.refit:
-                    del weights
-                    _release_inputs(layer.mlp)  # gate/up: read again for the resize
-                    plan.down_override = refit_down_proj_inplace(stats.gram, layer.mlp.down_proj.weight, plan.keep,
-                                                                 damp=DAMP, cross=cross.take() if cross else None)
-            weights = cross = None
-            stats.gram = None
+        if shrinking and opts.refit and opts.importance != "obs":
+            _release_inputs(layer.mlp)  # gate/up: read again for the resize
+            if self.residual and late:
+                with self.timer("calibrate"):
+                    cross = _CrossAccumulator(layer, mixed, self.source_hidden, rows=plan.keep)
+                    for a in stats.kept:
+                        cross.add(a)
+            with self.timer("rank"):
+                total = cross.take() if cross is not None else None
+                cross = None
+                plan.down_override = refit_down_proj_inplace(
+                    stats.gram, down, plan.keep, damp=DAMP,
+                    **({} if total is None else {"cross_kept" if self.residual and late else "cross": total}))
+                total = None
+        down = None
+        stats.gram = None
         if width != source_width:
             with self.timer("resize"):
                 sd = {prefix + "mlp." + k: v for k, v in layer.mlp.state_dict().items()}
@@ -892,27 +909,34 @@ class BlockedGramStats(ActivationStats):
             self.gram = gram
         if gram is None:
             return
-        a = a.float() if a.dim() == 3 else a.float()[None]
-        flat = a.reshape(-1, a.shape[-1])  # (B*S, I)
-        width = flat.shape[1]
-        rows = _block_rows(12 * width)
-        if rows >= width:
-            gram += (flat.T @ flat).double()
-            return
-        for r in range(0, width, rows):
-            gram[r : r + rows] += (flat[:, r : r + rows].T @ flat).double()
+        _add_gram(gram, a)
+
+
+def _add_gram(gram: torch.Tensor, a: torch.Tensor) -> None:
+    """gram += AᵀA for one batch of activations (B, S, I), as ActivationStats.update adds it, in row blocks."""
+    a = a.float() if a.dim() == 3 else a.float()[None]
+    flat = a.reshape(-1, a.shape[-1])  # (B*S, I)
+    width = flat.shape[1]
+    rows = _block_rows(12 * width)
+    if rows >= width:
+        gram += (flat.T @ flat).double()
+        return
+    for r in range(0, width, rows):
+        gram[r : r + rows] += (flat[:, r : r + rows].T @ flat).double()
 
 
 class _CrossAccumulator:
-    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time and in place.
+    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64 (with ``rows``: only those rows, (K, d)),
+    one batch at a time and in place.
 
-    The same products and additions in the same order (0 + X₀ + X₁ + ...), with the (I, d) fp32 product and its
-    fp64 copy formed in row blocks of at most BLOCK_BYTES; a layer narrow enough for one block takes exactly
-    ``_residual_cross``'s steps.
+    The same products and additions in the same order (0 + X₀ + X₁ + ...); a layer narrow enough for one block
+    takes exactly ``_residual_cross``'s steps (and then picks the rows), a wider one forms only the wanted rows, in
+    blocks of at most BLOCK_BYTES.
     """
 
-    def __init__(self, layer, mixed, source_hidden):
+    def __init__(self, layer, mixed, source_hidden, rows: list[int] | None = None):
         self.layer, self.mixed, self.source_hidden = layer, mixed, source_hidden
+        self.rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self.total, self.batch = None, 0
 
     def add(self, a: torch.Tensor) -> None:
@@ -922,15 +946,19 @@ class _CrossAccumulator:
         target = (h - z) if bias is None else (h - z - bias)  # (B, S, d)
         acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
         width = acts.shape[0]
-        rows = _block_rows(12 * target.shape[1])
-        if rows >= width:
+        block = _block_rows(12 * target.shape[1])
+        if block >= width:
             product = (acts @ target).double()
+            if self.rows is not None:
+                product = product[self.rows]
             self.total = product if self.total is None else self.total.add_(product)
             return
+        n = width if self.rows is None else len(self.rows)
         if self.total is None:
-            self.total = torch.zeros(width, target.shape[1], dtype=torch.float64)  # 0 + X₀ = X₀
-        for r in range(0, width, rows):
-            self.total[r : r + rows] += (acts[r : r + rows] @ target).double()
+            self.total = torch.zeros(n, target.shape[1], dtype=torch.float64)  # 0 + X₀ = X₀
+        for r in range(0, n, block):
+            part = acts[r : r + block] if self.rows is None else acts[self.rows[r : r + block]]
+            self.total[r : r + block] += (part @ target).double()
 
     def take(self) -> torch.Tensor:
         """The sum, handed over (the accumulator lets go of it, so that the refit can free it early)."""
@@ -955,12 +983,13 @@ def _activation_stats(down_proj, gram: bool = False, keep: bool = False, on_batc
 
 
 def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
-                            cross: torch.Tensor | None = None) -> torch.Tensor:
+                            cross: torch.Tensor | None = None, cross_kept: torch.Tensor | None = None) -> torch.Tensor:
     """``compensate.refit_down_proj`` (the same solution up to rounding) with no K × K or I × I temporaries.
 
     gram: (I, I) fp64, contiguous, DESTROYED (its storage holds G_KK + λI and then its Cholesky factor);
     down: (d, I); keep: ascending kept indices; cross: (I, d) = AᵀY for another target Y than A Dᵀ (the residual
-    target) -> the new down projection (d, |K|) in ``down.dtype``.
+    target), or cross_kept = cross[keep] (K, d) -> the new down projection (d, |K|) in ``down.dtype``.
+    A ``cross``/``cross_kept`` handed over without another reference is freed before the solve.
     """
     import numpy as np
     from scipy.linalg import lapack
@@ -971,15 +1000,23 @@ def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[i
     idx = torch.tensor(keep, dtype=torch.long)
     # right-hand side G_K: Dᵀ (K, d) (or cross[K]), built transposed (d, K) so that LAPACK solves it in place
     rhs_t = torch.empty(d, k, dtype=torch.float64)
-    if cross is not None:
+    if cross_kept is not None:
+        rhs_t.copy_(cross_kept.T)
+        del cross_kept
+    elif cross is not None:
         rhs_t.copy_(cross[idx].T)
-        del cross  # the caller handed it over: free it before the solve
+        del cross
     else:
-        down_t = down.double().T  # (I, d)
         rows = _block_rows(8 * (n + d))
-        for s in range(0, k, rows):
-            rhs_t[:, s : s + rows] = (gram[idx[s : s + rows]] @ down_t).T
-        del down_t
+        if rows >= k:  # one block: refit_down_proj's own product
+            rhs_t.copy_((gram[idx] @ down.double().T).T)
+        else:  # blocks of kept rows × blocks of output columns: no (I, d) fp64 copy of the down projection
+            cols = _block_rows(8 * n)
+            for c in range(0, d, cols):
+                down_t = down[c : c + cols].double().T  # (I, c)
+                for s in range(0, k, rows):
+                    rhs_t[c : c + cols, s : s + rows] = (gram[idx[s : s + rows]] @ down_t).T
+            del down_t
     # G_KK compacted into the first K·K entries of the Gram storage: kept row j = keep[r] >= r goes to offset r·K,
     # which ends at (r+1)·K <= keep[r+1]·I, so no row is overwritten before it has been read
     flat = gram.view(-1)
