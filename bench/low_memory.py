@@ -135,6 +135,15 @@ def header_params(folder: Path) -> int:
 # ============================================================================================== the run
 
 
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def machine() -> dict:
     cpu = ""
     try:
@@ -158,12 +167,16 @@ def run_convert(src: Path, out: Path, args) -> dict:
                      "--seq-len", str(args.seq_len), "--calibration-data", str(DATA)] + args.extra.split()
     timer = "/usr/bin/time" if Path("/usr/bin/time").exists() else None
     full = ([timer, "-v"] if timer else []) + cmd
+    # this checkout's code, whatever an editable install of the package points to
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    code = subprocess.run([sys.executable, "-c", "import tlm_convert; print(tlm_convert.__file__)"], env=env,
+                          capture_output=True, text=True, cwd=str(ROOT)).stdout.strip()
     load_before = os.getloadavg()
     start = time.perf_counter()
-    proc = subprocess.run(full, capture_output=True, text=True, cwd=str(ROOT))
+    proc = subprocess.run(full, capture_output=True, text=True, cwd=str(ROOT), env=env)
     wall = time.perf_counter() - start
     shown = ["tlm-convert" if exe else "python -m tlm_convert"] + cmd[len(convert):]
-    record = {"command": " ".join(shown), "returncode": proc.returncode, "wall_s": wall,
+    record = {"command": " ".join(shown), "code": code, "returncode": proc.returncode, "wall_s": wall,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     if timer:
         m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
@@ -205,7 +218,8 @@ def markdown(record: dict) -> str:
     return "\n".join([
         "## Low-memory conversion (issue 3)",
         "",
-        f"`python bench/low_memory.py` ({record['date']}): a random-weight Llama checkpoint (fp32, hidden "
+        f"`python bench/low_memory.py` ({record['date']}, commit `{record['commit']}`): a random-weight Llama "
+        f"checkpoint (fp32, hidden "
         f"{size['hidden']}, MLP {size['intermediate']}, {size['heads']}/{size['kv_heads']} heads, {size['layers']} "
         f"layers, vocab {size['vocab']}, untied head) converted in a subprocess with",
         "",
@@ -234,7 +248,8 @@ def main(argv=None) -> int:
     if work.exists():
         shutil.rmtree(work)
     src, out = work / "src", work / "out"
-    record = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "args": vars(args), "machine": machine()}
+    record = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": commit(), "args": vars(args),
+              "machine": machine()}
     try:
         start = time.perf_counter()
         record["source"] = write_checkpoint(src, args)

@@ -36,8 +36,9 @@ def _leftovers(parent, name):
 
 
 @pytest.mark.parametrize("family, extra, frugal", [
-    ("llama", dict(eval_data=str(DATA), eval_tokens=192), False),  # small enough for the in-memory path's steps
-    ("gpt2", dict(refit_target="residual"), True),  # blocked Gram and refit, activations not kept
+    ("llama", dict(eval_data=str(DATA), eval_tokens=192), None),  # small enough for the in-memory path's steps
+    ("gpt2", dict(refit_target="residual"), "blocks"),  # the code paths of wide layers: blocked Gram, AᵀY and refit
+    ("llama", dict(refit_target="local"), "hook"),  # ... and of calibration sets too large to keep the activations
 ])
 def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources, tmp_path, monkeypatch):
     src = sources[family]
@@ -45,8 +46,9 @@ def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources,
     with monkeypatch.context() as patch:  # the reference's plot is not under test here (saves time)
         patch.setattr(report, "write_plot", lambda _report, path: path.write_bytes(b""))
         full = convert(str(src), str(tmp_path / "full"), ConvertOptions(**OPTS, **extra))
-    if frugal:  # the code paths of wide layers, forced on the tiny ones
+    if frugal:  # forced on the tiny layers
         monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)
+    if frugal == "hook":
         monkeypatch.setattr(streaming, "KEEP_ACTIVATIONS_BYTES", 0)
     low = convert(str(src), str(tmp_path / "low"), ConvertOptions(low_memory=True, **OPTS, **extra),
                   on_layer=seen.append)
@@ -126,7 +128,14 @@ def test_in_place_refit_matches_refit_down_proj(monkeypatch):
     monkeypatch.setattr(streaming, "BLOCK_BYTES", 8 * 150 * 7)  # 7 rows per block: every loop runs many times
     gram = acts.T @ acts
     expected = refit_down_proj(gram.clone(), down, keep)
-    torch.testing.assert_close(streaming.refit_down_proj_inplace(gram, down, keep), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(streaming.refit_down_proj_inplace(gram.clone(), down, keep), expected, atol=1e-5,
+                               rtol=1e-5)
+    # another target (the residual one): AᵀY given whole or as its kept rows
+    cross = acts.T @ torch.randn(300, 12, generator=gen, dtype=torch.float64)
+    expected = refit_down_proj(gram.clone(), down, keep, cross=cross)
+    for given in (dict(cross=cross), dict(cross_kept=cross[keep])):
+        torch.testing.assert_close(streaming.refit_down_proj_inplace(acts.T @ acts, down, keep, **given), expected,
+                                   atol=1e-5, rtol=1e-5)
     # not positive definite even with damping: both fall back to the same least-squares solve
     indefinite = -torch.eye(90, dtype=torch.float64) + 0.01 * (acts.T @ acts) / 300
     expected = refit_down_proj(indefinite.clone(), down, keep)
