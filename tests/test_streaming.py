@@ -133,7 +133,7 @@ def test_in_place_refit_matches_refit_down_proj(monkeypatch):
     # another target (the residual one): AᵀY given whole or as its kept rows
     cross = acts.T @ torch.randn(300, 12, generator=gen, dtype=torch.float64)
     expected = refit_down_proj(gram.clone(), down, keep, cross=cross)
-    for given in (dict(cross=cross), dict(cross_kept=cross[keep])):
+    for given in (dict(cross=cross), dict(rhs_t=cross[keep].T.contiguous())):
         torch.testing.assert_close(streaming.refit_down_proj_inplace(acts.T @ acts, down, keep, **given), expected,
                                    atol=1e-5, rtol=1e-5)
     # not positive definite even with damping: both fall back to the same least-squares solve

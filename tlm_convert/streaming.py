@@ -19,27 +19,30 @@ The arithmetic is that of :func:`tlm_convert.calibrate.calibrate_and_plan` (same
 order of operations: ``neuron_scores``, ``plan_from_scores``, ``obs_prune``, ``resize_layer``, ``_mix``,
 ``_feed_forward_reusing``, ``upcycle._split_mlp``, and ``_residual_cross``'s sum; ``refit_target="residual"``
 carries the source model's residual stream alongside), so both paths write the same tensors: bit for bit on small
-models, where every step below takes the in-memory path's own route. Where that path would hold large temporaries, this one is
-frugal, with results equal up to floating-point rounding:
+models, where every step below takes the in-memory path's own route. Where that path holds large temporaries, this
+one is frugal, with results equal up to floating-point rounding (tests/test_streaming.py forces these routes on a
+tiny model: max |Δ| ~1e-6):
 
 * tensors are read with plain file reads, not memory maps (a mapped checkpoint's pages count in the RSS);
-* the Gram matrix AᵀA (I × I, fp64) is accumulated in row blocks (no I × I fp32 product and fp64 copy per batch);
-* the least-squares refit of a shrinking layer builds G_KK inside the Gram matrix's own storage and factors and
-  solves it in place with LAPACK (``refit_down_proj_inplace``); the layer's gate/up projections are released
-  after the statistics pass (for metrics that only read the down projection) and read again for the resize;
-* the residual target's AᵀY (I × d, fp64) is summed in place in row blocks and freed before the solve;
-* the first-pass MLP activations are kept for the second pass (as the in-memory path does) only while they take
-  at most ``KEEP_ACTIVATIONS_BYTES``; above that the resized MLP is run again (and the residual target's AᵀY is
-  summed batch by batch in the hook);
-* the attention weights are released once the calibration tokens are mixed and read again when the layer is
-  written; perplexity logits are formed one sequence at a time; freed heap pages go back to the OS after every layer.
+* a shrinking layer's statistics pass keeps its activations (as the in-memory path does for the second MLP pass);
+  the scores come first, then the Gram matrix AᵀA (I × I, fp64) is built from the kept activations in row blocks
+  (the in-memory path's additions, in its order), so the scores' fp64 temporaries and the Gram matrix never meet;
+  the residual target's AᵀY is formed only for the kept rows, in row blocks;
+* the least-squares refit builds G_KK inside the Gram matrix's own storage and factors and solves it in place with
+  LAPACK (``refit_down_proj_inplace``), the right-hand side in blocks (no fp64 copy of the down projection);
+* the layer's gate/up projections are released after the statistics pass (for metrics that only read the down
+  projection) and read again for the resize; the attention weights are released once the calibration tokens are
+  mixed and read again when the layer is written;
+* activations larger than ``KEEP_ACTIVATIONS_BYTES`` are not kept: the Gram matrix and AᵀY are then summed batch by
+  batch in the hook and the resized MLP is run again (a higher peak: the Gram matrix, AᵀY and the whole MLP at once);
+* perplexity logits are formed one sequence at a time; freed heap pages go back to the OS after every layer.
 
-For an MLP of width I (kept K) and hidden size d the peak is about 8·I² (the Gram matrix) + 8·I·d (an fp64 copy of
-the down projection) + 8·K·d (the right-hand side) bytes plus the layer's down projection and the process itself:
-2.46 GB measured for a 7B-class Llama layer shape (I = 11008, d = 4096; bench/low_memory.py). ``--importance obs``
-keeps ``obs_prune``'s dense I × I inverse and is not memory-frugal. ``--mixer titans`` (fresh weights drawn from the
-whole model's seeded init), exports other than ``tlm``, GGUF and .bin sources are refused with the fix: they need the
-whole model in memory.
+For an MLP of width I (kept K) and hidden size d the peak is about 8·I² (the Gram matrix) + 8·K·d (the right-hand
+side) bytes plus the layer's down projection and the process itself, or the resize of the widest growing layer
+(old and new MLP together): about 2.3-2.5 GB for a 7B-class Llama layer shape (I = 11008, d = 4096,
+bench/low_memory.py). ``--importance obs`` keeps ``obs_prune``'s dense I × I inverse and is not memory-frugal.
+``--mixer titans`` (fresh weights drawn from the whole model's seeded init), exports other than ``tlm``, GGUF and
+.bin sources are refused with the fix: they need the whole model in memory.
 """
 
 from __future__ import annotations
@@ -612,7 +615,7 @@ class _Run:
                 self.source_hidden = [layer.feed_forward(calibrate._mix(self.base, layer, h, p))
                                       for h, p in zip(self.source_hidden, self.positions)]
             layer.self_attn = None  # read again when the layer is written
-            cross = None  # AᵀY for the residual target: here batch by batch in the hook, or later from kept activations
+            cross = None  # the residual target's AᵀY: batch by batch in the hook, or later from kept activations
             if self.residual and shrinking and opts.refit and not late:
                 cross = _CrossAccumulator(layer, mixed, self.source_hidden)
             with _activation_stats(layer.mlp.down_proj, gram=gram and not late, keep=keep,
@@ -644,13 +647,16 @@ class _Run:
                     cross = _CrossAccumulator(layer, mixed, self.source_hidden, rows=plan.keep)
                     for a in stats.kept:
                         cross.add(a)
-            with self.timer("rank"):
-                total = cross.take() if cross is not None else None
+            with self.timer("rank"):  # the sums are handed over (no reference kept here): the refit frees them
+                if cross is None:
+                    plan.down_override = refit_down_proj_inplace(stats.gram, down, plan.keep, damp=DAMP)
+                elif cross.rows is None:
+                    plan.down_override = refit_down_proj_inplace(stats.gram, down, plan.keep, damp=DAMP,
+                                                                 cross=cross.take())
+                else:
+                    plan.down_override = refit_down_proj_inplace(stats.gram, down, plan.keep, damp=DAMP,
+                                                                 rhs_t=cross.take())
                 cross = None
-                plan.down_override = refit_down_proj_inplace(
-                    stats.gram, down, plan.keep, damp=DAMP,
-                    **({} if total is None else {"cross_kept" if self.residual and late else "cross": total}))
-                total = None
         down = None
         stats.gram = None
         if width != source_width:
@@ -926,8 +932,8 @@ def _add_gram(gram: torch.Tensor, a: torch.Tensor) -> None:
 
 
 class _CrossAccumulator:
-    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64 (with ``rows``: only those rows, (K, d)),
-    one batch at a time and in place.
+    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time and in place; with
+    ``rows`` only those rows, stored transposed (d, K): the refit's right-hand side as it solves it.
 
     The same products and additions in the same order (0 + X₀ + X₁ + ...); a layer narrow enough for one block
     takes exactly ``_residual_cross``'s steps (and then picks the rows), a wider one forms only the wanted rows, in
@@ -945,20 +951,22 @@ class _CrossAccumulator:
         bias = self.layer.mlp.down_proj.bias
         target = (h - z) if bias is None else (h - z - bias)  # (B, S, d)
         acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
-        width = acts.shape[0]
-        block = _block_rows(12 * target.shape[1])
+        width, d = acts.shape[0], target.shape[1]
+        block = _block_rows(12 * d)
         if block >= width:
-            product = (acts @ target).double()
+            product = (acts @ target).double()  # (I, d)
             if self.rows is not None:
-                product = product[self.rows]
-            self.total = product if self.total is None else self.total.add_(product)
+                product = product[self.rows].T  # (d, K)
+            self.total = product.contiguous() if self.total is None else self.total.add_(product)
             return
-        n = width if self.rows is None else len(self.rows)
-        if self.total is None:
-            self.total = torch.zeros(n, target.shape[1], dtype=torch.float64)  # 0 + X₀ = X₀
-        for r in range(0, n, block):
-            part = acts[r : r + block] if self.rows is None else acts[self.rows[r : r + block]]
-            self.total[r : r + block] += (part @ target).double()
+        if self.total is None:  # 0 + X₀ = X₀
+            self.total = torch.zeros(width, d, dtype=torch.float64) if self.rows is None else \
+                torch.zeros(d, len(self.rows), dtype=torch.float64)
+        for r in range(0, width if self.rows is None else len(self.rows), block):
+            if self.rows is None:
+                self.total[r : r + block] += (acts[r : r + block] @ target).double()
+            else:
+                self.total[:, r : r + block] += (acts[self.rows[r : r + block]] @ target).double().T
 
     def take(self) -> torch.Tensor:
         """The sum, handed over (the accumulator lets go of it, so that the refit can free it early)."""
@@ -983,13 +991,14 @@ def _activation_stats(down_proj, gram: bool = False, keep: bool = False, on_batc
 
 
 def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
-                            cross: torch.Tensor | None = None, cross_kept: torch.Tensor | None = None) -> torch.Tensor:
+                            cross: torch.Tensor | None = None, rhs_t: torch.Tensor | None = None) -> torch.Tensor:
     """``compensate.refit_down_proj`` (the same solution up to rounding) with no K × K or I × I temporaries.
 
     gram: (I, I) fp64, contiguous, DESTROYED (its storage holds G_KK + λI and then its Cholesky factor);
     down: (d, I); keep: ascending kept indices; cross: (I, d) = AᵀY for another target Y than A Dᵀ (the residual
-    target), or cross_kept = cross[keep] (K, d) -> the new down projection (d, |K|) in ``down.dtype``.
-    A ``cross``/``cross_kept`` handed over without another reference is freed before the solve.
+    target), or directly rhs_t = cross[keep]ᵀ (d, K) fp64 contiguous, which is solved in place (DESTROYED)
+    -> the new down projection (d, |K|) in ``down.dtype``. A ``cross`` handed over without another reference is
+    freed before the solve.
     """
     import numpy as np
     from scipy.linalg import lapack
@@ -998,15 +1007,15 @@ def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[i
         raise ValueError("refit_down_proj_inplace needs a contiguous float64 Gram matrix")
     n, k, d = gram.shape[0], len(keep), down.shape[0]
     idx = torch.tensor(keep, dtype=torch.long)
-    # right-hand side G_K: Dᵀ (K, d) (or cross[K]), built transposed (d, K) so that LAPACK solves it in place
-    rhs_t = torch.empty(d, k, dtype=torch.float64)
-    if cross_kept is not None:
-        rhs_t.copy_(cross_kept.T)
-        del cross_kept
+    # right-hand side G_K: Dᵀ (K, d) (or cross[K]), held transposed (d, K) so that LAPACK solves it in place
+    if rhs_t is not None:
+        if tuple(rhs_t.shape) != (d, k) or not rhs_t.is_contiguous() or rhs_t.dtype != torch.float64:
+            raise ValueError(f"rhs_t must be a contiguous float64 ({d}, {k}) tensor")
     elif cross is not None:
-        rhs_t.copy_(cross[idx].T)
+        rhs_t = cross[idx].T.contiguous()
         del cross
     else:
+        rhs_t = torch.empty(d, k, dtype=torch.float64)
         rows = _block_rows(8 * (n + d))
         if rows >= k:  # one block: refit_down_proj's own product
             rhs_t.copy_((gram[idx] @ down.double().T).T)
