@@ -1,0 +1,48 @@
+"""``tlm train`` and ``tlm compare``, added to the ``tlm`` command group of tlm_convert.cli (eval, analyze)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from tlm_convert.cli import _Command, _quiet_libraries, _report_failure, tlm_main
+
+
+@tlm_main.command("train", cls=_Command)
+@click.argument("recipe_path", metavar="RECIPE.yaml")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override a recipe value, e.g. --set optim.lr=1e-3 (repeatable).")
+@click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None, metavar="[CHECKPOINT]",
+              help="Continue from the latest checkpoint in output_dir (or from the given checkpoint folder).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (metrics.jsonl is written either way).")
+def train_command(recipe_path, overrides, resume, no_progress):
+    """Train a TLM from RECIPE.yaml: from scratch (model:) or continued from a checkpoint (init_from:).
+
+    Runs the same under torchrun (DDP, or FSDP with train.parallel=fsdp): torchrun --nproc_per_node N -m
+    tlm_train train RECIPE.yaml
+    """
+    try:
+        from .recipe import load_recipe
+        from .trainer import train
+
+        _quiet_libraries()
+        recipe = load_recipe(recipe_path, list(overrides))
+        result = train(recipe, resume=True if resume == "latest" else resume,
+                       progress=False if no_progress else None)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if result.stopped:
+        click.echo(f"stopped at step {result.steps}; checkpoint written to {result.output_dir} "
+                   f"(continue with: tlm train {recipe_path} --resume)")
+        return
+    summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps": result.steps,
+               "tokens": result.tokens, "eval_loss": result.eval_loss, "seconds": round(result.seconds, 2)}
+    click.echo(json.dumps(summary))
+
+
+__all__ = ["tlm_main"]

@@ -1,0 +1,284 @@
+"""Training recipes: YAML files validated into typed dataclasses.
+
+A recipe is data: every key is checked against the dataclasses below, and *all* unknown, missing or ill-typed keys
+are reported at once with their key paths (``optim.lr: expected a number, got 'fast'``). Command-line overrides
+use dotted paths (``--set optim.lr=1e-3 --set train.max_steps=200``); their values are parsed as YAML scalars.
+The resolved recipe (defaults filled in, overrides applied) is saved beside every checkpoint.
+
+Two starting points, exactly one of them: ``init_from`` (a checkpoint: continued pretraining of a converted TLM or
+any transformers / GGUF / TLM model) or ``model`` (a TLM config trained from scratch; uniform or tapered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message lists every problem, one per line."""
+
+
+@dataclass
+class ModelSpec:
+    """A TLM trained from scratch: ``config`` holds TLMConfig keyword arguments (``intermediate_size`` is the base
+    width D); the MLP widths follow ``schedule``/``ratio`` at exactly the uniform model's parameter count."""
+
+    config: dict = field(default_factory=dict)
+    schedule: str = "uniform"  # cosine | linear | sigmoid | uniform | three-group
+    ratio: str = "1.5/0.5"  # first/last width multipliers (0.5/1.5 is the reverse taper)
+    multiple_of: int = 1
+
+
+@dataclass
+class DataSpec:
+    train: str = "default"  # text file/folder (.txt/.jsonl/.parquet), a hub dataset name, or 'default' (bundled)
+    eval: str | None = None  # held-out text; None: the last eval_tokens of the training tokens are held out
+    eval_tokens: int = 65536
+    seq_len: int = 256
+    max_train_tokens: int | None = None  # cap on the tokenized training text (streamed datasets stop there)
+    cache_dir: str | None = None  # tokenized data cache; None: $TLM_CACHE or ~/.cache/tlm/tokens
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 4e-4  # peak learning rate (AdamW)
+    min_lr: float = 4e-5  # end of the cosine decay
+    warmup_steps: int = 100
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1  # on matrices only (not norms, biases or scalars)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+
+@dataclass
+class TrainSpec:
+    max_steps: int = 1000
+    batch_size: int = 8  # sequences per device per micro-batch
+    grad_accum: int = 1  # global batch = batch_size * grad_accum * world size sequences
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on CUDA (fp32 master weights)
+    compile: bool = False  # torch.compile (GPU)
+    device: str = "auto"  # auto: cuda when available (one device per process under torchrun), else cpu
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun; fsdp shards per decoder layer
+    gradient_checkpointing: bool = False
+    num_threads: int | None = None  # torch CPU threads per process
+
+
+@dataclass
+class LogSpec:
+    every: int = 10  # steps between metrics.jsonl lines
+    eval_every: int = 200  # steps between held-out evaluations (and at the end); 0: only at the end
+    save_every: int = 500  # steps between checkpoints (and at the end)
+    keep_last: int = 2  # checkpoints kept (older ones are deleted)
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    progress: bool = True  # progress bar (rank 0)
+
+
+@dataclass
+class DistillSpec:
+    """Knowledge distillation: loss = (1 - alpha) * LM loss + alpha * T^2 * KL(teacher || student) at temperature T."""
+
+    teacher: str  # checkpoint (e.g. the uniform source of a conversion); same vocabulary
+    alpha: float = 0.5
+    temperature: float = 1.0
+
+
+@dataclass
+class Recipe:
+    output_dir: str
+    model: ModelSpec | None = None
+    init_from: str | None = None
+    tokenizer: str | None = None  # 'byte' (UTF-8 bytes, vocab 256), a tokenizer folder, or None: init_from's
+    seed: int = 0
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    log: LogSpec = field(default_factory=LogSpec)
+    distill: DistillSpec | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml(), encoding="utf-8")
+
+
+# ============================================================================================ loading and checks
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply ``key.path=value`` overrides and validate it (RecipeError lists every problem)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"recipe '{path}' is not valid YAML{where}; fix the syntax") from None
+    return recipe_from_dict(data if data is not None else {}, overrides, name=str(path))
+
+
+def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), name: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{name}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    data = _apply_overrides(data, overrides)
+    errors: list[str] = []
+    recipe = _build(Recipe, data, "", errors)
+    if not errors:
+        errors += _check_semantics(recipe)
+    if errors:
+        raise RecipeError(f"{name}: {len(errors)} problem(s):\n" + "\n".join(f"  {e}" for e in errors))
+    return recipe
+
+
+def _apply_overrides(data: dict, overrides) -> dict:
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"override {item!r} is not of the form key.path=value (e.g. optim.lr=1e-3)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node, parts = data, key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return data
+
+
+def _type_name(tp) -> str:
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if tp is dict:
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls, data: Any, path: str, errors: list[str]):
+    """Instantiate dataclass ``cls`` from ``data``, appending every problem (with its key path) to ``errors``."""
+    if not isinstance(data, dict):
+        errors.append(f"{path or 'recipe'}: expected a mapping, got {data!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = [k for k in fields if k.startswith(str(key)[:3])]
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(fields)})"
+            errors.append(f"{_join(path, key)}: unknown key{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], _join(path, name), errors)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            errors.append(f"{_join(path, name)}: missing (required)")
+    try:
+        return cls(**kwargs)
+    except TypeError:  # a required key is missing: already reported
+        return None
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _coerce(value: Any, tp, path: str, errors: list[str]):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], path, errors)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, errors)
+    if origin is Literal:
+        if value not in args:
+            errors.append(f"{path}: expected one of {', '.join(map(str, args))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {value!r}")
+            return value
+        return [_coerce(v, args[0], f"{path}[{i}]", errors) for i, v in enumerate(value)] if args else value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            return value
+        return float(value)
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    elif tp in (str, bool, dict) and not isinstance(value, tp):
+        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _check_semantics(r: Recipe) -> list[str]:
+    """Value checks beyond types (ranges, exclusive options)."""
+    errors = []
+    if (r.model is None) == (r.init_from is None):
+        errors.append("model / init_from: give exactly one (model: a TLM config trained from scratch; init_from: a "
+                      "checkpoint to continue)")
+    if r.model is not None and r.tokenizer is None:
+        errors.append("tokenizer: required with model (from scratch): 'byte' or a tokenizer folder")
+    positive = {"data.seq_len": r.data.seq_len, "data.eval_tokens": r.data.eval_tokens,
+                "train.max_steps": r.train.max_steps, "train.batch_size": r.train.batch_size,
+                "train.grad_accum": r.train.grad_accum, "log.every": r.log.every, "log.save_every": r.log.save_every,
+                "log.keep_last": r.log.keep_last}
+    for key, value in positive.items():
+        if value < 1:
+            errors.append(f"{key}: must be >= 1, got {value}")
+    for key, value in {"optim.lr": r.optim.lr, "optim.min_lr": r.optim.min_lr, "optim.eps": r.optim.eps,
+                       "optim.weight_decay": r.optim.weight_decay, "optim.warmup_steps": r.optim.warmup_steps,
+                       "log.eval_every": r.log.eval_every}.items():
+        if value < 0:
+            errors.append(f"{key}: must be >= 0, got {value}")
+    if r.optim.min_lr > r.optim.lr:
+        errors.append(f"optim.min_lr: {r.optim.min_lr} is above optim.lr {r.optim.lr}")
+    if len(r.optim.betas) != 2 or not all(0 <= b < 1 for b in r.optim.betas):
+        errors.append(f"optim.betas: expected two numbers in [0, 1), got {r.optim.betas}")
+    if r.optim.grad_clip is not None and r.optim.grad_clip <= 0:
+        errors.append(f"optim.grad_clip: must be > 0 or null, got {r.optim.grad_clip}")
+    if r.data.seq_len < 2:
+        errors.append(f"data.seq_len: must be >= 2, got {r.data.seq_len}")
+    if r.distill is not None:
+        if not 0 <= r.distill.alpha <= 1:
+            errors.append(f"distill.alpha: must be in [0, 1], got {r.distill.alpha}")
+        if r.distill.temperature <= 0:
+            errors.append(f"distill.temperature: must be > 0, got {r.distill.temperature}")
+    if r.train.num_threads is not None and r.train.num_threads < 1:
+        errors.append(f"train.num_threads: must be >= 1, got {r.train.num_threads}")
+    return errors
+
+
+__all__ = ["Recipe", "ModelSpec", "DataSpec", "OptimSpec", "TrainSpec", "LogSpec", "DistillSpec", "RecipeError",
+           "load_recipe", "recipe_from_dict"]

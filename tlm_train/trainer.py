@@ -1,0 +1,646 @@
+"""``tlm train``: a plain PyTorch training loop for TLMs, on one process or under ``torchrun`` (DDP or FSDP).
+
+One step = ``grad_accum`` micro-batches per process -> gradient clipping -> AdamW -> LR schedule (linear warmup,
+then cosine / linear decay to ``min_lr``, or constant). The loss is the next-token cross entropy, optionally mixed
+with a KL term towards a frozen teacher (distillation). Under torchrun the processes split every global batch
+(see tlm_train.data.BatchOrder), DDP averages the gradients, so N processes with batch B follow the same
+trajectory as one process with batch N*B up to floating-point summation order.
+
+Output folder::
+
+    output_dir/
+      recipe.yaml                 the resolved recipe of the latest (re)start
+      metrics.jsonl               one JSON line per logged step / evaluation (rank 0)
+      checkpoint-<step>/          model (safetensors, loads like any TLM) + optimizer.pt, scheduler.pt,
+                                  rng_state_<rank>.pt, trainer_state.json, recipe.yaml; written atomically
+      final/                      the trained model (TLM, remote code included) and its tokenizer
+
+Resuming (``resume=True``: the latest checkpoint, or a path) restores model, optimizer, scheduler, every rank's
+RNG and the data position, so the loss curve continues exactly as an uninterrupted run's. A checkpoint from a
+different model or batch layout is refused. SIGINT / SIGTERM, or a file named ``STOP`` in output_dir, end the run
+at the next step boundary with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import BatchOrder, load_tokenizer, to_blocks, tokenize_cached
+from .recipe import Recipe, RecipeError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+STOP_FILE = "STOP"
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue (bad checkpoint, mismatched resume, ...): one line saying what to do."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path | None
+    steps: int  # optimizer steps completed (including those before a resume)
+    tokens: int  # training tokens seen
+    seconds: float  # wall time of this invocation
+    eval_loss: float | None  # held-out loss at the end (None when stopped early)
+    losses: list[float] = field(default_factory=list)  # training loss of each step run by this invocation
+    stopped: bool = False  # ended by a signal or the STOP file (a checkpoint was written)
+
+
+# ============================================================================================== setup
+
+
+@dataclass
+class _Dist:
+    world: int
+    rank: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def all_mean(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def any(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t)
+        return bool(t.item())
+
+
+def _setup_distributed(device_pref: str) -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device_pref == "auto":
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_pref)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainError(f"train.device {device_pref!r}: CUDA is not available here; use auto or cpu")
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return _Dist(world, rank, local_rank, device)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+
+
+def build_model_and_tokenizer(recipe: Recipe):
+    """(TLMForCausalLM, tokenizer): from scratch (``model``) or from ``init_from`` (any supported checkpoint)."""
+    from tlm import TLMConfig, TLMForCausalLM
+
+    if recipe.model is not None:
+        tokenizer = load_tokenizer(recipe.tokenizer)
+        kwargs = dict(recipe.model.config)
+        kwargs.setdefault("vocab_size", len(tokenizer))
+        if kwargs["vocab_size"] < len(tokenizer):
+            raise RecipeError(f"model.config.vocab_size {kwargs['vocab_size']} is below the tokenizer's "
+                              f"{len(tokenizer)} tokens; raise it or leave it out")
+        if tokenizer.eos_token_id is not None:
+            kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        try:
+            config = TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
+                               multiple_of=recipe.model.multiple_of, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise RecipeError(f"model.config: {err}") from None
+        torch.manual_seed(recipe.seed)
+        return TLMForCausalLM(config), tokenizer
+    return load_pretrained(recipe.init_from, recipe.tokenizer)
+
+
+def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True):
+    """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
+    (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false)."""
+    from tlm_convert.checkpoint import load_source
+    from tlm_convert.convert import materialize
+    from tlm_convert.errors import ConversionError
+
+    try:
+        src = load_source(path)
+    except ConversionError as err:
+        raise TrainError(str(err)) from None
+    model = materialize(src.tlm_config, src.state_dict)
+    if not with_tokenizer:
+        return model, None
+    if tokenizer_name is not None:
+        return model, load_tokenizer(tokenizer_name)
+    kwargs = src.tokenizer_kwargs()
+    if kwargs is None:
+        raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
+    from transformers import AutoTokenizer
+
+    return model, AutoTokenizer.from_pretrained(kwargs[0], **kwargs[1])
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """Multiplier of optim.lr at ``step`` (0-based): linear warmup to 1, then decay to min_lr / lr at max_steps."""
+    o, total = recipe.optim, recipe.train.max_steps
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    floor = o.min_lr / o.lr if o.lr > 0 else 0.0
+    if o.decay == "constant":
+        return 1.0
+    span = max(1, total - o.warmup_steps)
+    t = min(1.0, (step - o.warmup_steps) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay == "cosine" else 1 - t
+    return floor + (1 - floor) * shape
+
+
+# ============================================================================================== loss
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; logits (B, S, V), ids (B, S) -> scalar (fp32)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * mean over positions of KL(softmax(teacher/T) || softmax(student/T)); logits (B, S, V)."""
+    t = temperature
+    s_logp = F.log_softmax(student[:, :-1].float() / t, dim=-1).flatten(0, 1)
+    t_logp = F.log_softmax(teacher[:, :-1].float() / t, dim=-1).flatten(0, 1)
+    return F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean") * t * t
+
+
+# ============================================================================================== checkpoints
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-<step> folders, oldest first (temporary folders of unfinished writes are ignored)."""
+    found = []
+    for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*"):
+        suffix = p.name[len(CHECKPOINT_PREFIX):]
+        if p.is_dir() and suffix.isdigit() and (p / "trainer_state.json").is_file():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+def _fingerprint(model, recipe: Recipe, world: int) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    core = _unwrap(model)
+    return {"parameters": {k: list(v.shape) for k, v in core.state_dict().items()},
+            "global_batch": recipe.train.batch_size * recipe.train.grad_accum * world,
+            "seq_len": recipe.data.seq_len, "train_data": recipe.data.train, "seed": recipe.seed}
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _full_state_dict(model, parallel: str) -> dict:
+    if parallel == "fsdp" and dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _unwrap(model).state_dict()
+
+
+def _optim_state(model, optimizer, parallel: str) -> dict:
+    if parallel == "fsdp" and dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ============================================================================================== the run
+
+
+class _Run:
+    def __init__(self, recipe: Recipe, resume: bool | str | None, progress: bool | None):
+        self.recipe = recipe
+        self.out = Path(recipe.output_dir)
+        self.d = _setup_distributed(recipe.train.device)
+        self.show_progress = recipe.log.progress if progress is None else progress
+        self.stop_requested = False
+        self.resume_from = self._resume_path(resume)
+
+    # ---------------------------------------------------------------------------------------------- set-up
+
+    def _resume_path(self, resume) -> Path | None:
+        existing = list_checkpoints(self.out) if self.out.exists() else []
+        if resume is None or resume is False:
+            if existing:
+                raise TrainError(f"{self.out} already has checkpoints (latest {existing[-1].name}); pass --resume to "
+                                 "continue that run, or choose a new output_dir")
+            return None
+        if resume is True:
+            if not existing:
+                raise TrainError(f"--resume: no checkpoint-<step> folder in {self.out}; run without --resume to start")
+            return existing[-1]
+        path = Path(resume)
+        if not (path / "trainer_state.json").is_file():
+            raise TrainError(f"--resume {path}: not a checkpoint folder (no trainer_state.json); pass a "
+                             f"{CHECKPOINT_PREFIX}<step> folder or --resume alone for the latest")
+        return path
+
+    def setup(self) -> None:
+        r, d = self.recipe, self.d
+        if r.train.num_threads:
+            torch.set_num_threads(r.train.num_threads)
+        _seed_everything(r.seed)
+        model, self.tokenizer = build_model_and_tokenizer(r)
+        self.model_config = model.config
+        model.to(d.device)
+        if r.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        model.train()
+        self.teacher = None
+        if r.distill is not None:
+            teacher, _ = load_pretrained(r.distill.teacher, with_tokenizer=False)
+            if teacher.config.vocab_size != model.config.vocab_size:
+                raise TrainError(f"distill.teacher has {teacher.config.vocab_size} vocabulary entries, the student "
+                                 f"{model.config.vocab_size}; distillation needs the same tokenizer")
+            self.teacher = teacher.to(d.device).eval().requires_grad_(False)
+        self._load_data()
+        self.fingerprint = _fingerprint(model, r, d.world)
+        self.model = self._wrap(model)
+        o = r.optim
+        fused = {"fused": True} if d.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay),
+                                           lr=o.lr, betas=tuple(o.betas), eps=o.eps, **fused)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, r))
+        self.step = 0
+        if self.resume_from is not None:
+            self._load_checkpoint(self.resume_from)
+        self.forward = torch.compile(self.model) if r.train.compile else self.model
+
+    def _wrap(self, model):
+        r, d = self.recipe, self.d
+        if d.world == 1:
+            return model
+        if r.train.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+
+    def _load_data(self) -> None:
+        r = self.recipe
+        # rank 0 tokenizes (and fills the cache) first; the others then read the cache
+        if not self.d.main:
+            self.d.barrier()
+        ids = tokenize_cached(self.tokenizer, r.data.train, r.data.max_train_tokens, r.data.cache_dir)
+        eval_ids = (tokenize_cached(self.tokenizer, r.data.eval, r.data.eval_tokens, r.data.cache_dir)
+                    if r.data.eval else None)
+        if self.d.main:
+            self.d.barrier()
+        if eval_ids is None:  # hold out the end of the training tokens
+            hold = min(r.data.eval_tokens, len(ids) // 10)
+            hold -= hold % r.data.seq_len
+            ids, eval_ids = ids[: len(ids) - hold], ids[len(ids) - hold:]
+        train_blocks = to_blocks(ids, r.data.seq_len)
+        self.eval_blocks = to_blocks(eval_ids[: r.data.eval_tokens], r.data.seq_len)
+        global_batch = r.train.batch_size * r.train.grad_accum * self.d.world
+        if len(train_blocks) < global_batch:
+            raise TrainError(f"training data has {len(train_blocks)} blocks of data.seq_len {r.data.seq_len}, fewer "
+                             f"than one global batch ({global_batch}); add text or lower the batch size / seq_len")
+        if len(self.eval_blocks) < 1:
+            raise TrainError(f"no held-out block of data.seq_len {r.data.seq_len} tokens; give data.eval or more text")
+        self.order = BatchOrder(train_blocks, r.train.batch_size, r.train.grad_accum, self.d.world, r.seed)
+        self.tokens_per_step = global_batch * r.data.seq_len
+
+    def _load_checkpoint(self, path: Path) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        theirs, ours = state.get("fingerprint", {}), self.fingerprint
+        for key in ("parameters", "global_batch", "seq_len", "train_data", "seed"):
+            if theirs.get(key) != ours[key]:
+                what = "model shapes" if key == "parameters" else key
+                raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "
+                                 f"{_brief(theirs.get(key))} vs {_brief(ours[key])}); resume with the recipe it was "
+                                 "written with (its recipe.yaml) or start a new output_dir")
+        from safetensors.torch import load_file
+
+        weights = {}
+        for file in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        core = _unwrap(self.model)
+        if self.recipe.train.parallel == "fsdp" and self.d.world > 1:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.model, weights, options=opts)
+            set_optimizer_state_dict(self.model, self.optimizer, torch.load(path / "optimizer.pt", weights_only=False),
+                                     options=opts)
+        else:
+            missing, unexpected = core.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if not (core.config.tie_word_embeddings and k == "lm_head.weight")]
+            if missing or unexpected:
+                raise TrainError(f"checkpoint {path} weights do not match the model (missing {missing[:2]}, "
+                                 f"unexpected {unexpected[:2]}); start a new output_dir")
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.d.device,
+                                                      weights_only=False))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        rng = path / f"rng_state_{self.d.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        self.step = int(state["step"])
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    # ---------------------------------------------------------------------------------------------- saving
+
+    def save_checkpoint(self) -> Path:
+        r, d = self.recipe, self.d
+        final = self.out / f"{CHECKPOINT_PREFIX}{self.step}"
+        tmp = self.out / f".{final.name}.tmp"
+        weights = _full_state_dict(self.model, r.train.parallel)
+        optim = _optim_state(self.model, self.optimizer, r.train.parallel)
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        d.barrier()
+        torch.save(_rng_state(), tmp / f"rng_state_{d.rank}.pt")
+        if d.main:
+            self._write_model(tmp, weights)
+            torch.save(optim, tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            r.save(tmp / "recipe.yaml")
+            state = {"step": self.step, "tokens": self.step * self.tokens_per_step,
+                     "samples": self.step * self.order.global_batch, "world_size": d.world,
+                     "fingerprint": self.fingerprint}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        d.barrier()
+        if d.main:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            for old in list_checkpoints(self.out)[: -r.log.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            logger.info("saved %s", final)
+        d.barrier()
+        return final
+
+    def _write_model(self, folder: Path, weights: dict) -> None:
+        """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
+        from tlm import TLMForCausalLM
+
+        with torch.device("meta"):
+            model = TLMForCausalLM(self.model_config)
+        model.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, strict=False, assign=True)
+        if self.model_config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
+        model.save_pretrained(str(folder))
+        self.tokenizer.save_pretrained(str(folder))
+
+    def save_final(self) -> Path:
+        weights = _full_state_dict(self.model, self.recipe.train.parallel)
+        final = self.out / "final"
+        if self.d.main:
+            tmp = self.out / ".final.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self._write_model(tmp, weights)
+            self.recipe.save(tmp / "recipe.yaml")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        self.d.barrier()
+        return final
+
+    # ---------------------------------------------------------------------------------------------- metrics
+
+    def _open_metrics(self):
+        path = self.out / "metrics.jsonl"
+        if self.d.main and path.exists():  # a resumed run drops what was logged after its checkpoint
+            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+        self.metrics_path = path
+        self.tb = None
+        if self.d.main and self.recipe.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.out / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+
+    def log(self, record: dict) -> None:
+        if not self.d.main:
+            return
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    # ---------------------------------------------------------------------------------------------- steps
+
+    def _autocast(self):
+        if self.recipe.train.precision == "bf16" and self.d.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self) -> float:
+        r, d = self.recipe, self.d
+        accum = r.train.grad_accum
+        total = 0.0
+        for micro in range(accum):
+            ids = self.order.micro_batch(self.step, micro, d.rank).to(d.device)  # (B, S)
+            sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
+            with (nullcontext() if sync else self.model.no_sync()), self._autocast():
+                logits = self.forward(input_ids=ids, use_cache=False).logits  # (B, S, V)
+                loss = lm_loss(logits, ids)
+                if self.teacher is not None:
+                    with torch.no_grad():
+                        teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
+                    kd = distill_loss(logits, teacher_logits, r.distill.temperature)
+                    loss = (1 - r.distill.alpha) * loss + r.distill.alpha * kd
+                (loss / accum).backward()
+            total += float(loss.detach()) / accum
+        if r.optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return d.all_mean(total)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out next-token loss (mean over the eval blocks, split across ranks)."""
+        self.model.eval()
+        d, bs = self.d, self.recipe.train.batch_size
+        blocks = self.eval_blocks[d.rank :: d.world]
+        total, count = 0.0, 0
+        for i in range(0, len(blocks), bs):
+            ids = blocks[i : i + bs].to(d.device)
+            with self._autocast():
+                logits = self.model(input_ids=ids, use_cache=False).logits
+            n = ids.shape[0] * (ids.shape[1] - 1)
+            total, count = total + float(lm_loss(logits, ids)) * n, count + n
+        self.model.train()
+        if d.world > 1:
+            t = torch.tensor([total, count], dtype=torch.float64, device=d.device)
+            dist.all_reduce(t)
+            total, count = float(t[0]), float(t[1])
+        return total / count
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def run(self) -> TrainResult:
+        r, d = self.recipe, self.d
+        start_wall = time.perf_counter()
+        if d.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            r.save(self.out / "recipe.yaml")
+        d.barrier()
+        self._open_metrics()
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        bar = None
+        if d.main and self.show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=r.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
+        losses, eval_loss, stopped = [], None, False
+        window_tokens, window_start = 0, time.perf_counter()
+        try:
+            while self.step < r.train.max_steps:
+                if d.any(self.stop_requested or (self.out / STOP_FILE).exists()):
+                    stopped = True
+                    break
+                lr = self.scheduler.get_last_lr()[0]
+                loss = self.train_step()
+                if not math.isfinite(loss):
+                    raise TrainError(f"the training loss is {loss} at step {self.step}; lower optim.lr or enable "
+                                     "optim.grad_clip (the last checkpoint is kept)")
+                losses.append(loss)
+                window_tokens += self.tokens_per_step
+                if self.step % r.log.every == 0 or self.step == r.train.max_steps:
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_tokens / max(elapsed, 1e-9)
+                    self.log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * self.tokens_per_step,
+                              "tokens_per_s": tps})
+                    window_tokens, window_start = 0, time.perf_counter()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}")
+                if r.log.eval_every and self.step % r.log.eval_every == 0 and self.step < r.train.max_steps:
+                    self._log_eval()
+                if self.step % r.log.save_every == 0 and self.step < r.train.max_steps:
+                    self.save_checkpoint()
+                if bar is not None:
+                    bar.update(1)
+            if stopped:
+                self.save_checkpoint()
+            else:
+                eval_loss = self._log_eval()
+                self.save_checkpoint()
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            if bar is not None:
+                bar.close()
+            if self.tb is not None:
+                self.tb.close()
+        final = None if stopped else self.save_final()
+        return TrainResult(self.out, final, self.step, self.step * self.tokens_per_step,
+                           time.perf_counter() - start_wall, eval_loss, losses, stopped)
+
+    def _log_eval(self) -> float:
+        loss = self.evaluate()
+        self.log({"step": self.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
+                  "tokens": self.step * self.tokens_per_step})
+        return loss
+
+
+def _brief(value) -> str:
+    if isinstance(value, dict):
+        return f"{len(value)} tensors"
+    return repr(value)
+
+
+def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | None = None) -> TrainResult:
+    """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
+    checkpoint path). Works the same under torchrun (one call per process)."""
+    run = _Run(recipe, resume, progress)
+    run.setup()
+    return run.run()
+
+
+__all__ = ["train", "TrainResult", "TrainError", "lr_factor", "lm_loss", "distill_loss", "list_checkpoints",
+           "build_model_and_tokenizer", "load_pretrained"]
