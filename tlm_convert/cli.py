@@ -282,4 +282,56 @@ def eval_command(model_path, data, seq_len, max_tokens, batch_size):
                            "perplexity": ppl}))
 
 
+@tlm_main.command("analyze", cls=_Command)
+@click.argument("model_path")
+@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--max-tokens", type=int, default=16384, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("-o", "--output", default=None,
+              help="Folder for alignment.json and alignment.png (default: print the JSON only).")
+def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output):
+    """Residual alignment rho_MLP per layer of MODEL_PATH (cosine of each MLP's output with the residual stream,
+    against the block input h_l and the post-mixer stream z_l) and its Pearson r with depth, as JSON."""
+    try:
+        import time
+
+        from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
+
+        from .checkpoint import load_source
+        from .convert import ConvertOptions, _build_model
+        from .data import load_text, token_blocks
+
+        _quiet_libraries()
+        for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
+            if value < 1:
+                raise ConversionError(f"option --{name} must be a positive integer, got {value}")
+        if output is not None and Path(output).exists() and not Path(output).is_dir():
+            raise ConversionError(f"option -o {output}: exists and is not a folder")
+        t0 = time.perf_counter()
+        src = load_source(resolve_builtin(model_path))
+        model, tokenizer = _build_model(src, ConvertOptions())
+        blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
+        load_s = time.perf_counter() - t0
+        result = residual_alignment(model, blocks, batch_size=batch_size, data=data)
+        suggestion = suggest_ratio(result)
+        extra = {"model": model_path, "data": data, "tokens": int(blocks.numel()), "load_seconds": round(load_s, 2),
+                 "heuristic_ratio_suggestion": {"ratio": suggestion.ratio, "reason": suggestion.reason,
+                                                "note": suggestion.heuristic}}
+        report = {**extra, **result.to_dict()}
+        if output is not None:
+            json_path, png_path = save_alignment(result, output, extra=extra, title=Path(model_path).name)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
+    if output is None:
+        click.echo(json.dumps(report))
+        return
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    click.echo(f"wrote {json_path} and {png_path}")
+    click.echo(f"rho_h by layer: {' '.join(f'{v:.3f}' for v in result.h.mean)}")
+    click.echo(f"rho_z by layer: {' '.join(f'{v:.3f}' for v in result.z.mean)}")
+    click.echo(f"pearson r(depth, rho): h {fmt(result.h.pearson_r)}, z {fmt(result.z.pearson_r)} "
+               f"({result.n_tokens} tokens per layer, {result.seconds:.1f}s)")
+
+
 __all__ = ["convert_main", "tlm_main"]
