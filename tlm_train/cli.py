@@ -6,7 +6,7 @@ import json
 
 import click
 
-from tlm_convert.cli import _Command, _quiet_libraries, _report_failure, tlm_main
+from tlm_convert.cli import _Command, _fail, _quiet_libraries, _report_failure, tlm_main
 
 
 @tlm_main.command("train", cls=_Command)
@@ -24,12 +24,14 @@ def train_command(recipe_path, overrides, resume, no_progress):
     """
     try:
         from .recipe import load_recipe
-        from .trainer import train
+        from .trainer import TrainError, train
 
         _quiet_libraries()
         recipe = load_recipe(recipe_path, list(overrides))
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
+    except TrainError as err:
+        _fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         _report_failure(err)
     import torch.distributed as dist

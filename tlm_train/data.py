@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,27 +83,79 @@ def default_cache_dir() -> Path:
 
 def tokenize_cached(tokenizer, source: str, max_tokens: int | None = None, cache_dir: str | Path | None = None,
                     ) -> torch.Tensor:
-    """All token ids of ``source`` (1-D int64; cached as int32), documents joined as load_text joins them."""
+    """All token ids of ``source`` as a 1-D int32 tensor backed by a memory-mapped cache file.
+
+    Documents (the rows of a dataset, or a text file read in pieces at line breaks) are tokenized one at a time
+    and joined with the tokenizer's EOS token (two newlines when it has none); a hub dataset is streamed and read
+    only up to ``max_tokens``. The ids go to ``cache_dir/<key>.bin`` (int32, written to a temporary file and
+    renamed), so memory holds one document at a time and a rerun reads the cache instead of re-tokenizing.
+    """
+    import numpy as np
+
     key = hashlib.sha256(json.dumps({"data": _data_identity(source), "tokenizer": _tokenizer_identity(tokenizer),
-                                     "max_tokens": max_tokens}).encode()).hexdigest()[:24]
+                                     "max_tokens": max_tokens, "format": 2}).encode()).hexdigest()[:24]
     folder = Path(cache_dir) if cache_dir else default_cache_dir()
-    path = folder / f"{key}.pt"
-    if path.is_file():
+    path = folder / f"{key}.bin"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        count = 0
         try:
-            return torch.load(path).long()
-        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
-            logger.warning("token cache %s is unreadable; tokenizing again", path)
-    max_chars = None if max_tokens is None else max_tokens * 16  # generous: a token is rarely 16 characters
-    text = load_text(source, max_chars=max_chars)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int32)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(ids, tmp)
-    os.replace(tmp, path)
-    logger.info("tokenized %s: %d tokens (cached as %s)", source, len(ids), path)
-    return ids.long()
+            with open(tmp, "wb") as f:
+                for ids in _token_pieces(tokenizer, source):
+                    if max_tokens is not None:
+                        ids = ids[: max_tokens - count]
+                    np.asarray(ids, dtype=np.int32).tofile(f)
+                    count += len(ids)
+                    if max_tokens is not None and count >= max_tokens:
+                        break
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        logger.info("tokenized %s: %d tokens (cached as %s)", source, count, path)
+    if path.stat().st_size == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    with warnings.catch_warnings():  # read-only on purpose: blocks are copied out by indexing
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.memmap(path, dtype=np.int32, mode="r"))
+
+
+_PIECE_CHARS = 1 << 20
+
+
+def _token_pieces(tokenizer, source: str):
+    """Token ids of ``source``, one document (or one ~1M-character piece of a text file) at a time."""
+    separator = ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else
+                 tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+    first = True
+    for text in _documents(source):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(text, _Continued) or first:
+            yield ids
+        else:
+            yield separator + ids
+        first = False
+
+
+class _Continued(str):
+    """A piece of a document that continues the previous piece (no separator before it)."""
+
+
+def _documents(source: str):
+    from tlm_convert.data import _dataset_rows
+
+    path = BUNDLED.get(source, Path(source).expanduser())
+    if path.is_file() and path.suffix.lower() in (".txt", ".md"):
+        text = load_text(source)
+        start = 0
+        while start < len(text):
+            end = text.find("\n", start + _PIECE_CHARS)
+            end = len(text) if end < 0 else end + 1
+            yield text[start:end] if start == 0 else _Continued(text[start:end])
+            start = end
+        return
+    yield from _dataset_rows(path, source)
 
 
 def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -125,11 +178,11 @@ class BatchOrder:
         return self._perms[epoch]
 
     def micro_batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
-        """(batch_size, seq_len) token ids."""
+        """(batch_size, seq_len) int64 token ids."""
         start = step * self.global_batch + (micro * self.world + rank) * self.batch_size
         n = len(self.blocks)
         rows = [int(self._perm(g // n)[g % n]) for g in range(start, start + self.batch_size)]
-        return self.blocks[rows]
+        return self.blocks[rows].long()
 
     def epochs(self, steps: int) -> float:
         return steps * self.global_batch / len(self.blocks)

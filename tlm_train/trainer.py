@@ -548,7 +548,7 @@ class _Run:
         blocks = self.eval_blocks[d.rank :: d.world]
         total, count = 0.0, 0
         for i in range(0, len(blocks), bs):
-            ids = blocks[i : i + bs].to(d.device)
+            ids = blocks[i : i + bs].long().to(d.device)
             with self._autocast():
                 logits = self.model(input_ids=ids, use_cache=False).logits
             n = ids.shape[0] * (ids.shape[1] - 1)
@@ -637,9 +637,13 @@ def _brief(value) -> str:
 def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | None = None) -> TrainResult:
     """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
     checkpoint path). Works the same under torchrun (one call per process)."""
-    run = _Run(recipe, resume, progress)
-    run.setup()
-    return run.run()
+    threads = torch.get_num_threads()
+    try:
+        run = _Run(recipe, resume, progress)
+        run.setup()
+        return run.run()
+    finally:
+        torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
 __all__ = ["train", "TrainResult", "TrainError", "lr_factor", "lm_loss", "distill_loss", "list_checkpoints",

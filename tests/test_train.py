@@ -1,0 +1,304 @@
+"""tlm train: recipes, data order, LR schedule, resume == uninterrupted, DDP/FSDP (2 gloo processes) == one
+process, grad accumulation, distillation, stop/resume, the final model, one-line CLI errors."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tlm_train.data as data_module
+from tlm_train.data import BatchOrder, byte_tokenizer, tokenize_cached
+from tlm_train.recipe import RecipeError, load_recipe, recipe_from_dict
+from tlm_train.trainer import TrainError, distill_loss, list_checkpoints, lr_factor, train
+
+DATA = Path(__file__).parent / "data" / "shakespeare_slice.txt"
+ROOT = Path(__file__).parent.parent
+
+
+def tiny_recipe(tmp_path, name="run", **sections) -> dict:
+    recipe = {
+        "output_dir": str(tmp_path / name),
+        "tokenizer": "byte",
+        "seed": 3,
+        "model": {"schedule": "cosine", "ratio": "1.5/0.5",
+                  "config": {"hidden_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64}},
+        "data": {"train": str(DATA), "seq_len": 33, "eval_tokens": 660, "cache_dir": str(tmp_path / "cache")},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+        "train": {"max_steps": 6, "batch_size": 4, "num_threads": 1},
+        "log": {"every": 1, "eval_every": 3, "save_every": 3, "keep_last": 5, "progress": False,
+                "tensorboard": False},
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+def test_recipe_reports_every_problem_with_its_key_path(tmp_path):
+    bad = tiny_recipe(tmp_path, optim={"lr": "fast", "betas": [0.9]}, train={"max_steps": 2.5, "precision": "fp8"},
+                      extra=1)
+    bad["data"]["sequence_length"] = 3
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(bad)
+    text = str(err.value)
+    for needle in ("extra: unknown key", "data.sequence_length: unknown key", "optim.lr: expected a number",
+                   "train.max_steps: expected an integer", "train.precision: expected one of fp32, bf16"):
+        assert needle in text, text
+    assert "5 problem(s)" in text
+
+
+def test_recipe_semantics_and_overrides(tmp_path):
+    with pytest.raises(RecipeError, match="give exactly one"):
+        recipe_from_dict({"output_dir": "x", "tokenizer": "byte"})
+    with pytest.raises(RecipeError, match="optim.min_lr"):
+        recipe_from_dict(tiny_recipe(tmp_path, optim={"min_lr": 1.0}))
+    r = recipe_from_dict(tiny_recipe(tmp_path), ["optim.lr=1e-2", "train.max_steps=9", "distill.teacher=t"])
+    assert (r.optim.lr, r.train.max_steps, r.distill.teacher, r.distill.alpha) == (1e-2, 9, "t", 0.5)
+    with pytest.raises(RecipeError, match="key.path=value"):
+        recipe_from_dict(tiny_recipe(tmp_path), ["optim.lr"])
+    path = tmp_path / "r.yaml"
+    path.write_text("output_dir: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML at line"):
+        load_recipe(path)
+
+
+def test_every_recipe_in_the_repo_validates():
+    files = sorted((ROOT / "recipes").rglob("*.yaml"))
+    assert len(files) >= 10
+    for file in files:
+        recipe = load_recipe(file)
+        if recipe.model is not None:  # from-scratch configs must also build
+            from tlm import TLMConfig
+
+            TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
+                      multiple_of=recipe.model.multiple_of, vocab_size=257, **recipe.model.config)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_byte_tokenizer_round_trips_and_saves(tmp_path):
+    tok = byte_tokenizer()
+    text = "Hello wörld\n\t  x"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode()) and tok.decode(ids) == text and len(tok) == 257
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path)(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_tokenized_data_is_cached(tmp_path, monkeypatch):
+    tok = byte_tokenizer()
+    first = tokenize_cached(tok, str(DATA), cache_dir=tmp_path)
+    assert first.tolist() == list(DATA.read_bytes()) and len(list(tmp_path.glob("*.bin"))) == 1
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data_module, "_token_pieces", no_tokenizing)
+    assert torch.equal(tokenize_cached(tok, str(DATA), cache_dir=tmp_path), first)
+    monkeypatch.undo()
+    assert len(tokenize_cached(tok, str(DATA), max_tokens=100, cache_dir=tmp_path)) == 100  # another key
+
+
+def test_documents_are_joined_with_eos_and_long_files_read_in_pieces(tmp_path, monkeypatch):
+    tok = byte_tokenizer()
+    rows = tmp_path / "docs.jsonl"
+    rows.write_text('{"text": "ab"}\n{"text": "cd"}\n')
+    assert tokenize_cached(tok, str(rows), cache_dir=tmp_path).tolist() == [97, 98, 256, 99, 100]
+    monkeypatch.setattr(data_module, "_PIECE_CHARS", 50)  # a text file is one document, read in pieces
+    ids = tokenize_cached(tok, str(DATA), max_tokens=1000, cache_dir=tmp_path / "pieces")
+    assert ids.tolist() == list(DATA.read_bytes()[:1000])
+
+
+def test_batch_order_splits_global_batches_across_ranks_and_epochs():
+    blocks = torch.arange(10).view(10, 1)
+    one = BatchOrder(blocks, batch_size=4, grad_accum=1, world=1, seed=0)
+    two = [BatchOrder(blocks, batch_size=2, grad_accum=1, world=2, seed=0) for _ in range(2)]
+    accum = BatchOrder(blocks, batch_size=2, grad_accum=2, world=1, seed=0)
+    seen = []
+    for step in range(5):  # 20 samples = 2 epochs
+        whole = one.micro_batch(step, 0, 0).flatten().tolist()
+        assert whole == two[0].micro_batch(step, 0, 0).flatten().tolist() + two[1].micro_batch(step, 0, 1).flatten().tolist()
+        assert whole == accum.micro_batch(step, 0, 0).flatten().tolist() + accum.micro_batch(step, 1, 0).flatten().tolist()
+        seen += whole
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]  # reshuffled per epoch
+
+
+# ---------------------------------------------------------------------------------------------- schedule and losses
+
+
+def test_lr_warmup_then_cosine_to_min(tmp_path):
+    r = recipe_from_dict(tiny_recipe(tmp_path, optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4},
+                                     train={"max_steps": 14}))
+    f = [lr_factor(s, r) for s in range(15)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == pytest.approx(1.0) and f[9] == pytest.approx(0.55) and f[14] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+
+
+def test_distill_loss_is_the_kl_divergence():
+    gen = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 5, 7, generator=gen)
+    assert distill_loss(s, s, 2.0).abs() < 1e-6
+    p_t, log_p_s = torch.softmax(t[:, :-1] / 2, -1), torch.log_softmax(s[:, :-1] / 2, -1)
+    manual = (p_t * (p_t.log() - log_p_s)).sum(-1).mean() * 4
+    assert torch.allclose(distill_loss(s, t, 2.0), manual, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def test_train_from_scratch_writes_checkpoints_metrics_and_a_loadable_model(tmp_path):
+    r = recipe_from_dict(tiny_recipe(tmp_path, log={"keep_last": 1}))
+    result = train(r)
+    out = Path(r.output_dir)
+    assert result.steps == 6 and result.tokens == 6 * 4 * 33 and math.isfinite(result.eval_loss)
+    assert result.losses[-1] < result.losses[0]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-6"]  # keep_last
+    lines = metrics(out)
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in lines if "eval_loss" in m] == [3, 6]
+    assert lines[-1]["eval_loss"] == pytest.approx(result.eval_loss)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    assert model.config.intermediate_sizes[0] > model.config.intermediate_sizes[-1]  # cosine taper
+    assert sum(model.config.intermediate_sizes) == 3 * 40
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    ids = torch.tensor([tok("To be", add_special_tokens=False)["input_ids"]])
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 8)
+
+
+def test_resume_continues_the_exact_loss_curve(tmp_path):
+    full = train(recipe_from_dict(tiny_recipe(tmp_path, "full")))
+    half = recipe_from_dict(tiny_recipe(tmp_path, "half"))
+    first = train(half)
+    # interrupt after step 3: drop the later checkpoint and the final model, then resume
+    import shutil
+
+    shutil.rmtree(Path(half.output_dir) / "checkpoint-6")
+    shutil.rmtree(Path(half.output_dir) / "final")
+    with pytest.raises(TrainError, match="already has checkpoints"):
+        train(half)
+    resumed = train(half, resume=True)
+    assert resumed.losses == full.losses[3:] and first.losses == full.losses
+    assert resumed.eval_loss == full.eval_loss
+    strip = lambda rows: [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in rows]  # noqa: E731
+    assert strip(metrics(half.output_dir)) == strip(metrics(full.output_dir))
+
+
+def test_stop_file_checkpoints_then_resume_finishes(tmp_path):
+    full = train(recipe_from_dict(tiny_recipe(tmp_path, "full", log={"save_every": 100})))
+    r = recipe_from_dict(tiny_recipe(tmp_path, "stop", log={"save_every": 100}))
+    Path(r.output_dir).mkdir(parents=True)
+    (Path(r.output_dir) / "STOP").touch()
+    stopped = train(r)
+    assert stopped.stopped and stopped.steps == 0 and stopped.final_dir is None
+    (Path(r.output_dir) / "STOP").unlink()
+    assert train(r, resume=True).losses == full.losses
+
+
+def test_mismatched_checkpoint_is_refused(tmp_path):
+    r = tiny_recipe(tmp_path, "a", train={"max_steps": 3})
+    train(recipe_from_dict(r))
+    r["model"]["config"]["intermediate_size"] = 48
+    with pytest.raises(TrainError, match="model shapes differ"):
+        train(recipe_from_dict(r), resume=True)
+    r["model"]["config"]["intermediate_size"] = 40
+    r["train"]["batch_size"] = 2
+    with pytest.raises(TrainError, match="global_batch differ"):
+        train(recipe_from_dict(r), resume=True)
+    with pytest.raises(TrainError, match="not a checkpoint folder"):
+        train(recipe_from_dict(r), resume=str(tmp_path))
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
+    big = train(recipe_from_dict(tiny_recipe(tmp_path, "big")))
+    acc = train(recipe_from_dict(tiny_recipe(tmp_path, "acc", train={"batch_size": 2, "grad_accum": 2})))
+    assert acc.losses == pytest.approx(big.losses, abs=1e-5)
+
+
+def test_continued_pretraining_with_distillation(tmp_path):
+    base = train(recipe_from_dict(tiny_recipe(tmp_path, "base")))
+    teacher = str(base.final_dir)
+    cpt = tiny_recipe(tmp_path, "cpt", distill={"teacher": teacher, "alpha": 1.0}, optim={"lr": 1e-3})
+    del cpt["model"], cpt["tokenizer"]
+    cpt["init_from"] = teacher
+    result = train(recipe_from_dict(cpt))
+    # the student starts as the teacher: the pure KL loss starts at 0 and stays small
+    assert result.losses[0] == pytest.approx(0.0, abs=1e-6)
+    assert max(result.losses) < 0.05
+    assert result.eval_loss == pytest.approx(base.eval_loss, abs=0.05)
+
+
+def _torchrun(tmp_path, recipe: dict, nproc: int = 2) -> subprocess.CompletedProcess:
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "tlm_train", "train", str(path), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_match_one_process(tmp_path, parallel):
+    single = train(recipe_from_dict(tiny_recipe(tmp_path, "single", train={"max_steps": 4})))
+    proc = _torchrun(tmp_path, tiny_recipe(tmp_path, parallel, train={"max_steps": 4, "batch_size": 2,
+                                                                     "parallel": parallel}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [m["loss"] for m in metrics(tmp_path / parallel) if "loss" in m]
+    assert losses == pytest.approx(single.losses, abs=1e-5)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(single.eval_loss, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _cli(args):
+    from tlm_train.cli import tlm_main
+
+    return CliRunner().invoke(tlm_main, args)
+
+
+def test_cli_train_runs_a_recipe_with_overrides(tmp_path):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(tmp_path)))
+    res = _cli(["train", str(path), "--set", "train.max_steps=2", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output.strip().splitlines()[-1])["steps"] == 2
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "does not exist"),
+    ("output_dir: x\nmodel: {config: {}}\ntokenizer: byte\noptim: {lr: fast}\n", "optim.lr: expected a number"),
+    ("output_dir: x\ninit_from: /no/such/model\n", "does not exist"),
+])
+def test_cli_train_bad_input_is_one_line(tmp_path, content, needle):
+    path = tmp_path / "r.yaml"
+    if content is not None:
+        path.write_text(content)
+    res = _cli(["train", str(path), "--no-progress"])
+    assert res.exit_code != 0
+    lines = [ln for ln in res.output.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.output
+    assert "Traceback" not in res.output
