@@ -76,9 +76,14 @@ def test_recipe_semantics_and_overrides(tmp_path):
 
 
 def test_every_recipe_in_the_repo_validates():
+    from tlm_train.compare import load_compare
+
     files = sorted((ROOT / "recipes").rglob("*.yaml"))
     assert len(files) >= 10
     for file in files:
+        if file.parent.name == "compare":
+            load_compare(file)
+            continue
         recipe = load_recipe(file)
         if recipe.model is not None:  # from-scratch configs must also build
             from tlm import TLMConfig
@@ -302,3 +307,49 @@ def test_cli_train_bad_input_is_one_line(tmp_path, content, needle):
     lines = [ln for ln in res.output.strip().splitlines() if ln]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.output
     assert "Traceback" not in res.output
+
+
+# ---------------------------------------------------------------------------------------------- compare
+
+
+def test_compare_runs_the_four_arms_at_equal_params_and_tokens(tmp_path):
+    from tlm_train.compare import CompareSpec, RUN_NAMES, run_comparison
+
+    base = tiny_recipe(tmp_path, "base", model={"schedule": "uniform"}, log={"eval_every": 2})
+    spec = CompareSpec(base=base, output_dir=str(tmp_path / "cmp"), pretrain_steps=3, continue_steps=2,
+                       convert={"calibration_tokens": 330, "batch_size": 4}, cpt_optim={"warmup_steps": 1})
+    rows = run_comparison(spec, progress=False)
+    assert [r["run"] for r in rows] == list(RUN_NAMES)
+    assert len({r["params"] for r in rows}) == 1  # equal parameter counts
+    assert len({r["tokens"] for r in rows}) == 1 and rows[0]["tokens"] == 5 * 4 * 33  # equal tokens
+    assert all(math.isfinite(r["eval_loss"]) for r in rows)
+    out = tmp_path / "cmp"
+    assert (out / "loss_curves.png").stat().st_size > 1000 and (out / "compare.md").is_file()
+    saved = json.loads((out / "compare.json").read_text())
+    # (c) and (d) continue the data stream: they skip the N pretraining batches
+    assert yaml_load(out / "converted-cpt" / "recipe.yaml")["data"]["skip_batches"] == 3
+    widths = json.loads((out / "converted" / "config.json").read_text())["intermediate_sizes"]
+    assert widths[0] > widths[-1]
+    # the (d) control's curve starts with the shared pretraining prefix
+    assert saved["curves"]["uniform-continued"]["train"][:3] == saved["curves"]["converted-cpt"]["train"][:3]
+    # a second call collects the finished runs instead of training again
+    again = run_comparison(spec, progress=False)
+    assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in rows]
+    assert all(r["seconds"] == 0 for r in again)
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
+def test_compare_spec_errors_are_listed(tmp_path):
+    from tlm_train.compare import load_compare
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: missing.yaml\noutput_dir: x\npretrain_steps: two\n")
+    with pytest.raises(RecipeError) as err:
+        load_compare(path)
+    text = str(err.value)
+    assert "pretrain_steps: expected an integer" in text and "continue_steps: missing" in text

@@ -47,4 +47,28 @@ def train_command(recipe_path, overrides, resume, no_progress):
     click.echo(json.dumps(summary))
 
 
+@tlm_main.command("compare", cls=_Command)
+@click.argument("compare_path", metavar="COMPARE.yaml")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override a value of the compare file, e.g. --set continue_steps=50 (repeatable).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def compare_command(compare_path, overrides, no_progress):
+    """Converted vs from scratch at equal parameters and tokens: (a) uniform and (b) tapered from scratch, (c) uniform
+    for N steps -> tlm-convert -> M steps, (d) uniform continued for M steps. Prints the table; writes compare.json,
+    compare.md and loss_curves.png into output_dir. Finished runs are collected, not rerun."""
+    try:
+        from .compare import format_table, load_compare, run_comparison
+        from .trainer import TrainError
+
+        _quiet_libraries()
+        spec = load_compare(compare_path, list(overrides))
+        rows = run_comparison(spec, progress=not no_progress)
+    except TrainError as err:
+        _fail(str(err))
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
+    click.echo(format_table(rows))
+    click.echo(f"wrote {spec.output_dir}/compare.json, compare.md and loss_curves.png")
+
+
 __all__ = ["tlm_main"]

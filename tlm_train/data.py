@@ -166,8 +166,10 @@ def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 class BatchOrder:
     """Deterministic global order of training blocks (see the module doc). ``micro_batch(step, micro, rank)``."""
 
-    def __init__(self, blocks: torch.Tensor, batch_size: int, grad_accum: int, world: int, seed: int):
+    def __init__(self, blocks: torch.Tensor, batch_size: int, grad_accum: int, world: int, seed: int,
+                 skip_batches: int = 0):
         self.blocks, self.batch_size, self.grad_accum, self.world, self.seed = blocks, batch_size, grad_accum, world, seed
+        self.skip_batches = skip_batches
         self.global_batch = batch_size * grad_accum * world
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -179,7 +181,7 @@ class BatchOrder:
 
     def micro_batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
         """(batch_size, seq_len) int64 token ids."""
-        start = step * self.global_batch + (micro * self.world + rank) * self.batch_size
+        start = (self.skip_batches + step) * self.global_batch + (micro * self.world + rank) * self.batch_size
         n = len(self.blocks)
         rows = [int(self._perm(g // n)[g % n]) for g in range(start, start + self.batch_size)]
         return self.blocks[rows].long()

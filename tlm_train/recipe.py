@@ -43,6 +43,7 @@ class DataSpec:
     eval_tokens: int = 65536
     seq_len: int = 256
     max_train_tokens: int | None = None  # cap on the tokenized training text (streamed datasets stop there)
+    skip_batches: int = 0  # global batches of the data order skipped at the start (continue where a run stopped)
     cache_dir: str | None = None  # tokenized data cache; None: $TLM_CACHE or ~/.cache/tlm/tokens
 
 
@@ -268,6 +269,8 @@ def _check_semantics(r: Recipe) -> list[str]:
         errors.append(f"optim.betas: expected two numbers in [0, 1), got {r.optim.betas}")
     if r.optim.grad_clip is not None and r.optim.grad_clip <= 0:
         errors.append(f"optim.grad_clip: must be > 0 or null, got {r.optim.grad_clip}")
+    if r.data.skip_batches < 0:
+        errors.append(f"data.skip_batches: must be >= 0, got {r.data.skip_batches}")
     if r.data.seq_len < 2:
         errors.append(f"data.seq_len: must be >= 2, got {r.data.seq_len}")
     if r.distill is not None:

@@ -156,8 +156,10 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     from tlm_convert.convert import materialize
     from tlm_convert.errors import ConversionError
 
+    from tlm_convert.cli import resolve_builtin
+
     try:
-        src = load_source(path)
+        src = load_source(resolve_builtin(path))
     except ConversionError as err:
         raise TrainError(str(err)) from None
     model = materialize(src.tlm_config, src.state_dict)
@@ -229,7 +231,8 @@ def _fingerprint(model, recipe: Recipe, world: int) -> dict:
     core = _unwrap(model)
     return {"parameters": {k: list(v.shape) for k, v in core.state_dict().items()},
             "global_batch": recipe.train.batch_size * recipe.train.grad_accum * world,
-            "seq_len": recipe.data.seq_len, "train_data": recipe.data.train, "seed": recipe.seed}
+            "seq_len": recipe.data.seq_len, "train_data": recipe.data.train, "seed": recipe.seed,
+            "skip_batches": recipe.data.skip_batches}
 
 
 def _unwrap(model):
@@ -377,13 +380,14 @@ class _Run:
                              f"than one global batch ({global_batch}); add text or lower the batch size / seq_len")
         if len(self.eval_blocks) < 1:
             raise TrainError(f"no held-out block of data.seq_len {r.data.seq_len} tokens; give data.eval or more text")
-        self.order = BatchOrder(train_blocks, r.train.batch_size, r.train.grad_accum, self.d.world, r.seed)
+        self.order = BatchOrder(train_blocks, r.train.batch_size, r.train.grad_accum, self.d.world, r.seed,
+                                r.data.skip_batches)
         self.tokens_per_step = global_batch * r.data.seq_len
 
     def _load_checkpoint(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
         theirs, ours = state.get("fingerprint", {}), self.fingerprint
-        for key in ("parameters", "global_batch", "seq_len", "train_data", "seed"):
+        for key in ("parameters", "global_batch", "seq_len", "train_data", "seed", "skip_batches"):
             if theirs.get(key) != ours[key]:
                 what = "model shapes" if key == "parameters" else key
                 raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "

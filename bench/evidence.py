@@ -1,0 +1,186 @@
+"""Evidence benchmark: does the cosine taper help at CPU scale, for each mixer, and does converting beat scratch?
+
+Part ``scratch``: cosine 1.5/0.5 vs uniform vs reverse 0.5/1.5, trained from scratch at exactly equal parameter
+counts, for each of the four mixers and 3 seeds (36 runs). Part ``compare``: ``tlm compare`` at the same scale for
+the attention mixer, 3 seeds: (a) uniform from scratch, (b) cosine from scratch, (c) uniform for N steps ->
+tlm-convert -> continued pretraining for M steps, (d) uniform continued for M steps (N + M = the scratch budget).
+
+Every run is ``tlm_train.train`` on a recipe built below (bytes as tokens, the bundled English text, held-out
+``default-eval``); results are appended to bench/results/evidence.jsonl one line per run, and runs already there are
+skipped, so an interrupted benchmark is resumed by running the same command again. Runs go ``--workers`` at a time
+with one thread each.
+
+    python bench/evidence.py --part scratch --workers 2     # about an hour on 2 quiet cores
+    python bench/evidence.py --part compare --workers 2
+    python bench/evidence.py --summary                      # the tables for bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results" / "evidence.jsonl"
+RUNS = HERE / "runs" / "evidence"  # checkpoints and metrics (git-ignored)
+
+MIXERS = ("attention", "gated_attention", "titans", "hope_attention")
+SCHEDULES = {"cosine": ("cosine", "1.5/0.5"), "uniform": ("uniform", "1.5/0.5"), "reverse": ("cosine", "0.5/1.5")}
+SEEDS = (0, 1, 2)
+STEPS = 150  # x 16 sequences x 128 tokens = 307,200 training tokens per run
+MIXER_EXTRA = {"attention": {}, "gated_attention": {},
+               "titans": {"titans_num_heads": 2, "titans_head_dim": 32, "titans_chunk_size": 16},
+               "hope_attention": {"hope_chunk_size": 16}}
+
+
+def scratch_recipe(mixer: str, schedule: str, seed: int, steps: int = STEPS, out: Path | None = None) -> dict:
+    kind, ratio = SCHEDULES[schedule]
+    return {
+        "output_dir": str(out or RUNS / f"{mixer}-{schedule}-s{seed}"),
+        "tokenizer": "byte",
+        "seed": seed,
+        "model": {"schedule": kind, "ratio": ratio, "multiple_of": 16,
+                  "config": {"hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "intermediate_size": 384, "max_position_embeddings": 128,
+                             "mixer": mixer, **MIXER_EXTRA[mixer]}},
+        "data": {"train": "default", "eval": "default-eval", "eval_tokens": 65536, "seq_len": 128},
+        "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 15, "weight_decay": 0.1, "grad_clip": 1.0},
+        "train": {"max_steps": steps, "batch_size": 16, "num_threads": 1},
+        "log": {"every": 10, "eval_every": 0, "save_every": steps, "keep_last": 1, "progress": False,
+                "tensorboard": False},
+    }
+
+
+def _done() -> set[str]:
+    if not RESULTS.exists():
+        return set()
+    return {json.loads(line)["key"] for line in RESULTS.read_text().splitlines() if line.strip()}
+
+
+def _append(record: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_scratch(job: tuple[str, str, int]) -> dict:
+    import shutil
+
+    import torch
+
+    torch.set_num_threads(1)
+    from tlm_train.recipe import recipe_from_dict
+    from tlm_train.trainer import train
+
+    mixer, schedule, seed = job
+    recipe = recipe_from_dict(scratch_recipe(mixer, schedule, seed))
+    shutil.rmtree(recipe.output_dir, ignore_errors=True)  # a half-finished run restarts cleanly
+    start = time.perf_counter()
+    result = train(recipe)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(result.final_dir) / "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return {"part": "scratch", "key": f"scratch/{mixer}/{schedule}/{seed}", "mixer": mixer, "schedule": schedule,
+            "seed": seed, "params": params, "steps": result.steps, "tokens": result.tokens,
+            "eval_loss": result.eval_loss, "train_loss_last10": statistics.mean(result.losses[-10:]),
+            "seconds": time.perf_counter() - start, "threads": 1}
+
+
+def run_compare(seed: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from tlm_train.compare import CompareSpec, run_comparison
+
+    spec = CompareSpec(base=scratch_recipe("attention", "uniform", seed, out=RUNS / f"compare-s{seed}" / "base"),
+                       output_dir=str(RUNS / f"compare-s{seed}"), pretrain_steps=150, continue_steps=100,
+                       cpt_optim={"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10},
+                       convert={"calibration_tokens": 32768, "seq_len": 128})
+    start = time.perf_counter()
+    table = run_comparison(spec, progress=False)
+    return {"part": "compare", "key": f"compare/attention/{seed}", "mixer": "attention", "seed": seed,
+            "rows": table, "seconds": time.perf_counter() - start, "threads": 1}
+
+
+def _work(job):
+    kind, args = job
+    try:
+        record = run_scratch(args) if kind == "scratch" else run_compare(*args)
+    except Exception as err:  # noqa: BLE001 - one failed run is recorded and the others go on
+        return {"failed": f"{kind} {args}: {type(err).__name__}: {err}"}
+    _append(record)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["scratch", "compare"], default="scratch")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mixers", default=",".join(MIXERS))
+    parser.add_argument("--summary", action="store_true")
+    args = parser.parse_args()
+    if args.summary:
+        print(summary())
+        return
+    done = _done()
+    if args.part == "scratch":
+        jobs = [("scratch", (m, s, seed)) for seed in SEEDS for m in args.mixers.split(",") for s in SCHEDULES
+                if f"scratch/{m}/{s}/{seed}" not in done]
+    else:
+        jobs = [("compare", (seed,)) for seed in SEEDS if f"compare/attention/{seed}" not in done]
+    print(f"{len(jobs)} runs to do ({len(done)} already in {RESULTS})", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+        for record in pool.imap_unordered(_work, jobs):
+            if "failed" in record:
+                print("FAILED", record["failed"], flush=True)
+            else:
+                print(record["key"], f"eval_loss {record.get('eval_loss', '')}", f"{record['seconds']:.0f}s", flush=True)
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def summary() -> str:
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()] if RESULTS.exists() else []
+    lines = ["| mixer | schedule | params | eval loss (nats/byte), mean ± std | seeds | s/run |", "|---|---|---|---|---|---|"]
+    for mixer in MIXERS:
+        for schedule in SCHEDULES:
+            got = [r for r in rows if r["part"] == "scratch" and r["mixer"] == mixer and r["schedule"] == schedule]
+            if got:
+                lines.append(f"| {mixer} | {schedule} | {got[0]['params']:,} | "
+                             f"{_mean_std([r['eval_loss'] for r in got])} | {len(got)} | "
+                             f"{statistics.mean(r['seconds'] for r in got):.0f} |")
+    lines += ["", "Paired differences (same seed), eval loss of the schedule minus uniform:", "",
+              "| mixer | cosine - uniform | reverse - uniform | cosine better in |", "|---|---|---|---|"]
+    for mixer in MIXERS:
+        by = {(r["schedule"], r["seed"]): r["eval_loss"] for r in rows if r["part"] == "scratch" and r["mixer"] == mixer}
+        seeds = [s for s in SEEDS if all((k, s) in by for k in SCHEDULES)]
+        if seeds:
+            cos = [by["cosine", s] - by["uniform", s] for s in seeds]
+            rev = [by["reverse", s] - by["uniform", s] for s in seeds]
+            lines.append(f"| {mixer} | {_mean_std(cos)} | {_mean_std(rev)} | {sum(c < 0 for c in cos)}/{len(seeds)} |")
+    compare = [r for r in rows if r["part"] == "compare"]
+    if compare:
+        lines += ["", "| run | eval loss, mean ± std | tokens | params | s (mean) |", "|---|---|---|---|---|"]
+        for name in [row["run"] for row in compare[0]["rows"]]:
+            got = [row for r in compare for row in r["rows"] if row["run"] == name]
+            lines.append(f"| {name} | {_mean_std([g['eval_loss'] for g in got])} | {got[0]['tokens']:,} | "
+                         f"{got[0]['params']:,} | {statistics.mean(g['seconds'] for g in got):.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    main()
