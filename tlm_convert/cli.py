@@ -1,4 +1,4 @@
-"""Command-line interface: ``tlm-convert`` (the conversion) and ``tlm`` (evaluation). The only module that prints."""
+"""Command-line interface: ``tlm-convert`` and the ``tlm`` group (eval, analyze; tlm_train.cli adds train and compare). Only CLI modules print."""
 
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def _summary(report: dict, output: str) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def tlm_main():
-    """Tapered Language Models: evaluation (training, analysis and comparisons are planned)."""
+    """Tapered Language Models: train, eval, analyze and compare (tlm COMMAND --help)."""
 
 
 @tlm_main.command("eval", cls=_Command)
