@@ -258,28 +258,41 @@ def tlm_main():
 @tlm_main.command("eval", cls=_Command)
 @click.argument("model_path")
 @click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
-@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
 @click.option("--max-tokens", type=int, default=16384, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
-def eval_command(model_path, data, seq_len, max_tokens, batch_size):
-    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) on non-overlapping blocks, as JSON."""
+def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
+    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as JSON."""
     try:
+        import torch
+
+        from tlm_train.evaluate import strided_perplexity
+
         from .checkpoint import load_source
-        from .convert import ConvertOptions, _build_model, perplexity
-        from .data import load_text, token_blocks
+        from .convert import ConvertOptions, _build_model
+        from .data import load_text
 
         _quiet_libraries()
-        for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
+        stride = max(1, seq_len // 2) if stride is None else stride
+        for name, value in (("seq-len", seq_len), ("stride", stride), ("max-tokens", max_tokens),
+                            ("batch-size", batch_size)):
             if value < 1:
                 raise ConversionError(f"option --{name} must be a positive integer, got {value}")
+        if seq_len < 2 or stride > seq_len:
+            raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
+                                  "stride <= seq-len")
         src = load_source(resolve_builtin(model_path))
         model, tokenizer = _build_model(src, ConvertOptions())
-        blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="evaluation")
-        ppl = perplexity(model, blocks, batch_size)
+        ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
+        if len(ids) < 2:
+            raise ConversionError(f"evaluation data has {len(ids)} tokens; pass more text")
+        result = strided_perplexity(model, ids, seq_len, stride, batch_size)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         _report_failure(err)
-    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(blocks.numel()), "seq_len": seq_len,
-                           "perplexity": ppl}))
+    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(len(ids)), "seq_len": seq_len,
+                           "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
+                           "nll": result.nll, "perplexity": result.perplexity}))
 
 
 @tlm_main.command("analyze", cls=_Command)
