@@ -147,3 +147,54 @@ def test_carried_activations_match_the_converted_model(family, tmp_path, tokeniz
         last = model.model(blocks, use_cache=False).last_hidden_state  # after the final norm
         carried = model.model.norm(torch.cat(result.hidden))
     torch.testing.assert_close(carried, last, atol=1e-5, rtol=1e-5)
+
+
+def test_report_counts_the_save_phase(tmp_path, tokenizer, monkeypatch):
+    # the report is written from inside the "save" phase; its seconds must include the export so far (was 0.0)
+    import time
+
+    import tlm_convert.convert as convert_module
+
+    export = convert_module.export_model
+
+    def slow_export(*args, **kwargs):
+        time.sleep(0.3)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "export_model", slow_export)
+    src = make_source(tmp_path / "src", "llama", tokenizer=tokenizer)
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(**OPTS))
+    saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert saved["seconds"]["save"] >= 0.3
+    assert report["seconds"]["save"] >= 0.3
+    assert "| save | 0.0 |" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_phase_timer_snapshot_counts_running_phases():
+    from tlm_convert.convert import PhaseTimer
+
+    timer = PhaseTimer()
+    with timer("load"):
+        pass
+    with timer("save"):
+        time_in = timer.snapshot()
+    assert time_in["save"] > 0.0 and time_in["load"] == timer.seconds["load"]
+    assert timer.seconds["save"] >= time_in["save"] and not timer._running
+
+
+def test_calibration_blocks_are_spread_over_the_whole_text():
+    # the bundled sample is a handbook followed by encyclopedic prose: a prefix would only ever see the handbook
+    from tlm_convert.data import token_blocks
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": list(range(len(text.split())))}
+
+    text = " ".join(["w"] * 1000)  # 1000 tokens: 15 blocks of 64 (and a partial one, dropped)
+    calib = token_blocks(tokenizer, text, 64, 4 * 64)
+    assert calib[:, 0].tolist() == [0, 5 * 64, 9 * 64, 14 * 64]  # first and last block, evenly spaced, in order
+    assert torch.equal(calib[1], torch.arange(5 * 64, 6 * 64))
+    evaluation = token_blocks(tokenizer, text, 64, 4 * 64, what="evaluation")
+    assert evaluation[:, 0].tolist() == [0, 64, 128, 192]  # held-out text: the first blocks, as before
+    assert token_blocks(tokenizer, text, 64, 4 * 64, spread=False)[:, 0].tolist() == [0, 64, 128, 192]
+    assert token_blocks(tokenizer, text, 64, None)[:, 0].tolist() == [64 * i for i in range(15)]
+    assert len(set(token_blocks(tokenizer, text, 64, 14 * 64)[:, 0].tolist())) == 14

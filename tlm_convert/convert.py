@@ -91,16 +91,28 @@ class PhaseTimer:
     def __init__(self, on_phase=None):
         self.seconds = {p: 0.0 for p in PHASES}
         self.on_phase = on_phase
+        self._running: list[tuple[str, float]] = []  # phases entered and not yet left, with their start
 
     @contextmanager
     def __call__(self, phase: str):
         if self.on_phase:
             self.on_phase(phase)
         start = time.perf_counter()
+        self._running.append((phase, start))
         try:
             yield
         finally:
+            self._running.remove((phase, start))
             self.seconds[phase] += time.perf_counter() - start
+
+    def snapshot(self) -> dict[str, float]:
+        """Seconds per phase up to now, counting the time already spent in phases still running (the report is
+        written from inside the "save" phase, which would otherwise read 0)."""
+        now = time.perf_counter()
+        seconds = dict(self.seconds)
+        for phase, start in self._running:
+            seconds[phase] += now - start
+        return seconds
 
 
 def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
@@ -246,12 +258,12 @@ def _write_output(model, out: Path, src, opts, report, timer) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         export_model(model, tmp, opts.export, src)
-        report["seconds"] = dict(timer.seconds)
-        report["peak_rss_mb"] = peak_rss_mb()
-        (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
         from .report import write_markdown, write_plot
 
-        write_plot(report, tmp / "widths.png")
+        write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count
+        report["seconds"] = timer.snapshot()
+        report["peak_rss_mb"] = peak_rss_mb()
+        (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
         write_markdown(report, tmp / "report.md")
         publish(tmp, out)
     except BaseException:

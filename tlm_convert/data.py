@@ -117,18 +117,29 @@ def _text_column(ds, source):
     return (row["text"] for row in ds if isinstance(row.get("text"), str) and row["text"])
 
 
-def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration") -> torch.Tensor:
-    """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block."""
+def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration",
+                 spread: bool | None = None) -> torch.Tensor:
+    """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block.
+
+    ``spread`` (default: on for calibration, off otherwise): when the text holds more blocks than asked for, take
+    them evenly spaced over the whole text (first and last block included, original order) instead of the first
+    ``max_tokens`` tokens, so a calibration sample made of several sources (the bundled one: a handbook, then
+    encyclopedic prose) is represented as a whole and not only by its beginning. Deterministic."""
     if seq_len < 2:
         raise ConversionError(f"option --seq-len {seq_len} is too short; use at least 2 (e.g. 512)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    n = len(ids) // seq_len
-    if max_tokens is not None:
-        n = min(n, max_tokens // seq_len)
+    total = len(ids) // seq_len
+    n = total if max_tokens is None else min(total, max_tokens // seq_len)
     if n < 1:
         raise ConversionError(f"{what} data has {len(ids)} tokens, fewer than one block of --seq-len {seq_len}; "
                               "pass more text or a smaller --seq-len")
-    return ids[: n * seq_len].view(n, seq_len)
+    blocks = ids[: total * seq_len].view(total, seq_len)
+    if spread is None:
+        spread = what == "calibration"
+    if not spread or n == total:
+        return blocks[:n]
+    # n <= total, so the rounded positions are n distinct, increasing block indices
+    return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
 __all__ = ["load_text", "token_blocks", "BUNDLED"]
