@@ -10,8 +10,7 @@ Every run is ``tlm_train.train`` on a recipe built below (bytes as tokens, the b
 skipped, so an interrupted benchmark is resumed by running the same command again. Runs go ``--workers`` at a time
 with one thread each.
 
-    python bench/evidence.py --part scratch --workers 2     # about an hour on 2 quiet cores
-    python bench/evidence.py --part compare --workers 2
+    python bench/evidence.py --workers 2                    # both parts, cheapest evidence first
     python bench/evidence.py --summary                      # the tables for bench/RESULTS.md
 """
 
@@ -100,10 +99,17 @@ def run_compare(seed: int) -> dict:
     torch.set_num_threads(1)
     from tlm_train.compare import CompareSpec, run_comparison
 
-    spec = CompareSpec(base=scratch_recipe("attention", "uniform", seed, out=RUNS / f"compare-s{seed}" / "base"),
-                       output_dir=str(RUNS / f"compare-s{seed}"), pretrain_steps=150, continue_steps=100,
-                       cpt_optim={"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10},
-                       convert={"calibration_tokens": 32768, "seq_len": 128})
+    base = scratch_recipe("attention", "uniform", seed, out=RUNS / f"compare-s{seed}" / "base")
+    base["log"]["eval_every"] = 30
+    # (a) and (b) are the scratch part's attention runs of this seed (the same recipes: collected, not rerun)
+    spec = CompareSpec(base=base, output_dir=str(RUNS / f"compare-s{seed}"), pretrain_steps=90, continue_steps=60,
+                       cpt_optim={"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 6},
+                       convert={"calibration_tokens": 32768, "seq_len": 128},
+                       reuse={"uniform-scratch": str(RUNS / f"attention-uniform-s{seed}"),
+                              "tapered-scratch": str(RUNS / f"attention-cosine-s{seed}")})
+    for folder in spec.reuse.values():
+        if not (Path(folder) / "final").is_dir():
+            raise RuntimeError(f"{folder} is not finished yet; run the scratch part first")
     start = time.perf_counter()
     table = run_comparison(spec, progress=False)
     return {"part": "compare", "key": f"compare/attention/{seed}", "mixer": "attention", "seed": seed,
@@ -112,6 +118,9 @@ def run_compare(seed: int) -> dict:
 
 def _work(job):
     kind, args = job
+    key = f"scratch/{args[0]}/{args[1]}/{args[2]}" if kind == "scratch" else f"compare/attention/{args[0]}"
+    if key in _done():  # finished meanwhile by another runner
+        return {"skipped": key}
     try:
         record = run_scratch(args) if kind == "scratch" else run_compare(*args)
     except Exception as err:  # noqa: BLE001 - one failed run is recorded and the others go on
@@ -122,7 +131,7 @@ def _work(job):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["scratch", "compare"], default="scratch")
+    parser.add_argument("--part", choices=["all", "scratch", "compare"], default="all")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mixers", default=",".join(MIXERS))
     parser.add_argument("--summary", action="store_true")
@@ -131,17 +140,33 @@ def main() -> None:
         print(summary())
         return
     done = _done()
+    mixers = args.mixers.split(",")
+    cheap = [m for m in mixers if m in ("attention", "gated_attention")]
+    costly = [m for m in mixers if m not in cheap]
+    # cheapest evidence first: the attention mixers for every seed, the comparison (which reuses the attention
+    # runs), then Titans and Hope seed by seed; what does not fit in a session is resumed by the next call
+    scratch = [("scratch", (m, s, seed)) for group in ([(m, seed) for seed in SEEDS for m in cheap],
+                                                       [(m, seed) for seed in SEEDS for m in costly])
+               for m, seed in group for s in SCHEDULES]
+    compare = [("compare", (seed,)) for seed in SEEDS]
     if args.part == "scratch":
-        jobs = [("scratch", (m, s, seed)) for seed in SEEDS for m in args.mixers.split(",") for s in SCHEDULES
-                if f"scratch/{m}/{s}/{seed}" not in done]
+        jobs = scratch
+    elif args.part == "compare":
+        jobs = compare
     else:
-        jobs = [("compare", (seed,)) for seed in SEEDS if f"compare/attention/{seed}" not in done]
+        n_cheap = len(cheap) * len(SEEDS) * len(SCHEDULES)
+        jobs = scratch[:n_cheap] + compare + scratch[n_cheap:]
+    key = lambda job: (f"scratch/{job[1][0]}/{job[1][1]}/{job[1][2]}" if job[0] == "scratch"  # noqa: E731
+                       else f"compare/attention/{job[1][0]}")
+    jobs = [job for job in jobs if key(job) not in done]
     print(f"{len(jobs)} runs to do ({len(done)} already in {RESULTS})", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
         for record in pool.imap_unordered(_work, jobs):
             if "failed" in record:
                 print("FAILED", record["failed"], flush=True)
+            elif "skipped" in record:
+                print("skipped (already done)", record["skipped"], flush=True)
             else:
                 print(record["key"], f"eval_loss {record.get('eval_loss', '')}", f"{record['seconds']:.0f}s", flush=True)
 

@@ -353,3 +353,21 @@ def test_compare_spec_errors_are_listed(tmp_path):
         load_compare(path)
     text = str(err.value)
     assert "pretrain_steps: expected an integer" in text and "continue_steps: missing" in text
+
+
+def test_cli_resume_continues_and_a_bad_compare_file_is_one_line(tmp_path):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(tmp_path, train={"max_steps": 2})))
+    assert _cli(["train", str(path), "--no-progress"]).exit_code == 0
+    res = _cli(["train", str(path), "--set", "train.max_steps=4", "--resume", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output.strip().splitlines()[-1])["steps"] == 4
+    again = _cli(["train", str(path), "--no-progress"])  # checkpoints exist and no --resume: refused
+    assert again.exit_code != 0 and "pass --resume" in again.output and "Traceback" not in again.output
+    bad = tmp_path / "c.yaml"
+    bad.write_text("base: nope.yaml\noutput_dir: x\npretrain_steps: 1\ncontinue_steps: 1\n")
+    res = _cli(["compare", str(bad), "--no-progress"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0]

@@ -1,4 +1,5 @@
-"""Command-line interface: ``tlm-convert`` and the ``tlm`` group (eval, analyze; tlm_train.cli adds train and compare). Only CLI modules print."""
+"""Command-line interface: ``tlm-convert`` and the ``tlm`` group (eval, analyze; tlm_train.cli adds train and
+compare). Only the CLI modules print."""
 
 from __future__ import annotations
 

@@ -378,8 +378,9 @@ class _Run:
         if len(train_blocks) < global_batch:
             raise TrainError(f"training data has {len(train_blocks)} blocks of data.seq_len {r.data.seq_len}, fewer "
                              f"than one global batch ({global_batch}); add text or lower the batch size / seq_len")
-        if len(self.eval_blocks) < 1:
-            raise TrainError(f"no held-out block of data.seq_len {r.data.seq_len} tokens; give data.eval or more text")
+        if len(self.eval_blocks) < self.d.world:
+            raise TrainError(f"{len(self.eval_blocks)} held-out blocks of data.seq_len {r.data.seq_len} tokens for "
+                             f"{self.d.world} process(es); give data.eval, more text or a larger data.eval_tokens")
         self.order = BatchOrder(train_blocks, r.train.batch_size, r.train.grad_accum, self.d.world, r.seed,
                                 r.data.skip_batches)
         self.tokens_per_step = global_batch * r.data.seq_len
@@ -549,7 +550,8 @@ class _Run:
         """Held-out next-token loss (mean over the eval blocks, split across ranks)."""
         self.model.eval()
         d, bs = self.d, self.recipe.train.batch_size
-        blocks = self.eval_blocks[d.rank :: d.world]
+        usable = len(self.eval_blocks) // d.world * d.world  # equal shares: DDP/FSDP forwards are collective
+        blocks = self.eval_blocks[:usable][d.rank :: d.world]
         total, count = 0.0, 0
         for i in range(0, len(blocks), bs):
             ids = blocks[i : i + bs].long().to(d.device)
