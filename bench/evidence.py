@@ -198,11 +198,17 @@ def summary() -> str:
             lines.append(f"| {mixer} | {_mean_std(cos)} | {_mean_std(rev)} | {sum(c < 0 for c in cos)}/{len(seeds)} |")
     compare = [r for r in rows if r["part"] == "compare"]
     if compare:
-        lines += ["", "| run | eval loss, mean ± std | tokens | params | s (mean) |", "|---|---|---|---|---|"]
+        lines += ["", "| run | eval loss, mean ± std | tokens | params | wall s (mean; c, d include the shared "
+                  "N-step run and c the conversion) |", "|---|---|---|---|---|"]
+        scratch_s = {(r["schedule"], r["seed"]): r["seconds"] for r in rows
+                     if r["part"] == "scratch" and r["mixer"] == "attention"}
+        reused = {"uniform-scratch": "uniform", "tapered-scratch": "cosine"}  # collected from the scratch part
         for name in [row["run"] for row in compare[0]["rows"]]:
-            got = [row for r in compare for row in r["rows"] if row["run"] == name]
-            lines.append(f"| {name} | {_mean_std([g['eval_loss'] for g in got])} | {got[0]['tokens']:,} | "
-                         f"{got[0]['params']:,} | {statistics.mean(g['seconds'] for g in got):.0f} |")
+            got = [(r["seed"], row) for r in compare for row in r["rows"] if row["run"] == name]
+            secs = [scratch_s.get((reused[name], seed)) if name in reused else row["seconds"] for seed, row in got]
+            secs = [x for x in secs if x]
+            lines.append(f"| {name} | {_mean_std([row['eval_loss'] for _, row in got])} | {got[0][1]['tokens']:,} | "
+                         f"{got[0][1]['params']:,} | {statistics.mean(secs) if secs else float('nan'):.0f} |")
     return "\n".join(lines)
 
 

@@ -335,7 +335,7 @@ def test_compare_runs_the_four_arms_at_equal_params_and_tokens(tmp_path):
     # a second call collects the finished runs instead of training again
     again = run_comparison(spec, progress=False)
     assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in rows]
-    assert all(r["seconds"] == 0 for r in again)
+    assert [r["seconds"] for r in again] == pytest.approx([r["seconds"] for r in rows], abs=0.01)  # from summaries
 
 
 def yaml_load(path):

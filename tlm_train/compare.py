@@ -22,7 +22,6 @@ import copy
 import json
 import logging
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -151,33 +150,33 @@ def _finished(folder: Path) -> bool:
     return (folder / "final" / "config.json").is_file() and (folder / "metrics.jsonl").is_file()
 
 
-def _train(recipe: dict, progress: bool) -> float:
-    """Run (or collect) one recipe; returns the wall seconds spent now (0 when collected)."""
+def _train(recipe: dict, progress: bool) -> float | None:
+    """Run (or collect) one recipe; returns its wall seconds from its run_summary.json (None when missing)."""
     from .trainer import list_checkpoints, train
 
     folder = Path(recipe["output_dir"])
     if _finished(folder):
         logger.info("collected %s (already finished)", folder)
-        return 0.0
-    start = time.perf_counter()
-    resume = True if folder.exists() and list_checkpoints(folder) else None
-    train(recipe_from_dict(recipe, name=folder.name), resume=resume, progress=progress)
-    return time.perf_counter() - start
+    else:
+        resume = True if folder.exists() and list_checkpoints(folder) else None
+        train(recipe_from_dict(recipe, name=folder.name), resume=resume, progress=progress)
+    summary = folder / "run_summary.json"
+    return json.loads(summary.read_text()).get("seconds") if summary.exists() else None
 
 
-def _convert(spec: CompareSpec, recipes: dict) -> float:
+def _convert(spec: CompareSpec, recipes: dict) -> float | None:
+    """Convert the N-step uniform model (unless done); returns the conversion's seconds from its report."""
     from tlm_convert.convert import ConvertOptions, convert
 
     out = Path(spec.output_dir) / "converted"
-    if (out / "config.json").is_file():
-        return 0.0
-    base = recipe_from_dict(spec.base)
-    options = {"schedule": spec.schedule, "ratio": spec.ratio, "calibration_data": base.data.train,
-               "seq_len": base.data.seq_len, "seed": base.seed, "multiple_of": base.model.multiple_of,
-               **spec.convert}
-    start = time.perf_counter()
-    convert(str(_run_dir(spec, "uniform-pretrain") / "final"), str(out), ConvertOptions(**options))
-    return time.perf_counter() - start
+    if not (out / "config.json").is_file():
+        base = recipe_from_dict(spec.base)
+        options = {"schedule": spec.schedule, "ratio": spec.ratio, "calibration_data": base.data.train,
+                   "seq_len": base.data.seq_len, "seed": base.seed, "multiple_of": base.model.multiple_of,
+                   **spec.convert}
+        convert(str(_run_dir(spec, "uniform-pretrain") / "final"), str(out), ConvertOptions(**options))
+    report = out / "conversion_report.json"
+    return sum(json.loads(report.read_text())["seconds"].values()) if report.exists() else None
 
 
 def _metrics(folder: Path) -> list[dict]:
@@ -219,8 +218,9 @@ def _collect(spec: CompareSpec, recipes: dict, seconds: dict) -> tuple[list[dict
             eval_curve = [(m["tokens"], m["eval_loss"]) for m in pre if "eval_loss" in m] + eval_curve
         curves[name] = {"train": train_curve, "eval": eval_curve}
         final_eval = eval_curve[-1][1] if eval_curve else float("nan")
-        wall = seconds.get(name, 0.0) + (seconds.get("uniform-pretrain", 0.0) if shift else 0.0) + \
-            (seconds.get("convert", 0.0) if name == "converted-cpt" else 0.0)
+        parts = [seconds.get(name)] + ([seconds.get("uniform-pretrain")] if shift else []) + \
+            ([seconds.get("convert")] if name == "converted-cpt" else [])
+        wall = None if None in parts else sum(parts)  # None: a collected run without its wall time
         rows.append({"run": name, "params": _params(folder / "final"), "tokens": train_curve[-1][0] if train_curve else 0,
                      "eval_loss": final_eval, "perplexity": math.exp(min(final_eval, 50.0)), "seconds": wall})
     return rows, curves
@@ -238,10 +238,11 @@ def _params(folder: Path) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| run | params | tokens | eval loss | perplexity | wall s |", "|---|---|---|---|---|---|"]
+    lines = ["| run | params | tokens | eval loss | perplexity | wall s (incl. shared prefix) |", "|---|---|---|---|---|---|"]
     for r in rows:
+        wall = "n/a" if r["seconds"] is None else f"{r['seconds']:.0f}"
         lines.append(f"| {r['run']} | {r['params']:,} | {r['tokens']:,} | {r['eval_loss']:.4f} | "
-                     f"{r['perplexity']:.3f} | {r['seconds']:.0f} |")
+                     f"{r['perplexity']:.3f} | {wall} |")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ Output folder::
       checkpoint-<step>/          model (safetensors, loads like any TLM) + optimizer.pt, scheduler.pt,
                                   rng_state_<rank>.pt, trainer_state.json, recipe.yaml; written atomically
       final/                      the trained model (TLM, remote code included) and its tokenizer
+      run_summary.json            steps, tokens, final held-out loss, wall seconds of every invocation
 
 Resuming (``resume=True``: the latest checkpoint, or a path) restores model, optimizer, scheduler, every rank's
 RNG and the data position, so the loss curve continues exactly as an uninterrupted run's. A checkpoint from a
@@ -624,8 +625,20 @@ class _Run:
             if self.tb is not None:
                 self.tb.close()
         final = None if stopped else self.save_final()
-        return TrainResult(self.out, final, self.step, self.step * self.tokens_per_step,
-                           time.perf_counter() - start_wall, eval_loss, losses, stopped)
+        result = TrainResult(self.out, final, self.step, self.step * self.tokens_per_step,
+                             time.perf_counter() - start_wall, eval_loss, losses, stopped)
+        if d.main:
+            self._write_summary(result)
+        return result
+
+    def _write_summary(self, result: TrainResult) -> None:
+        """run_summary.json: where the run stands, with the wall time of every invocation (resumes add one)."""
+        path = self.out / "run_summary.json"
+        previous = json.loads(path.read_text()).get("invocation_seconds", []) if path.exists() else []
+        summary = {"steps": result.steps, "tokens": result.tokens, "eval_loss": result.eval_loss,
+                   "finished": not result.stopped, "invocation_seconds": previous + [round(result.seconds, 3)]}
+        summary["seconds"] = round(sum(summary["invocation_seconds"]), 3)
+        path.write_text(json.dumps(summary, indent=1))
 
     def _log_eval(self) -> float:
         loss = self.evaluate()
