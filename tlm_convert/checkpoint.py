@@ -5,7 +5,9 @@
 * a transformers model folder: ``config.json`` plus ``model.safetensors``, a sharded safetensors set
   (``model.safetensors.index.json``), ``pytorch_model.bin`` or a sharded ``.bin`` set (read with
   ``torch.load(weights_only=True)``: no pickled code runs);
-* a ``.gguf`` file (or a folder holding exactly one), read by transformers' GGUF loader (dequantised to fp32);
+* a ``.gguf`` file (or a folder holding exactly one), dequantised to fp32: a llama GGUF tensor by tensor from
+  the memory-mapped file (the values of transformers' loader, without its whole-model copy), other
+  architectures through transformers' GGUF loader;
 * a TLM checkpoint folder (``config.json`` with ``model_type: "tlm"``);
 * a hub id ``org/name`` that is not a local path: downloaded with ``huggingface_hub.snapshot_download`` unless
   ``HF_HUB_OFFLINE`` is set.
@@ -513,6 +515,87 @@ def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor],
                               "re-download the checkpoint or fix config.json")
 
 
+# GGUF tensor name (blk.{i}. stripped) -> transformers name (model.layers.{i}. stripped), llama architecture
+_GGUF_LLAMA_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_LLAMA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _gguf_llama_name(name: str) -> str | None:
+    if name in _GGUF_LLAMA_GLOBAL:
+        return _GGUF_LLAMA_GLOBAL[name]
+    m = _GGUF_BLOCK.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_LLAMA_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LLAMA_NAMES[m.group(2)]}"
+
+
+def _unpermute_gguf_rows(weights, n_head: int):
+    """Undo llama.cpp's Q/K row permutation (as transformers' LlamaTensorProcessor does)."""
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """The tensors of a llama-architecture GGUF under transformers names, dequantised one at a time from the
+    memory-mapped file: the same values as transformers' GGUF loader (which builds a whole model and a second
+    copy of every tensor). None for files this reader does not map (other architectures, biases, extra tensors,
+    a tied config with an output.weight): the caller then loads through transformers."""
+    import numpy as np
+
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError:
+        return None
+    try:
+        reader = GGUFReader(str(file))
+        field = reader.fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+        if arch != "llama" or hf_config.model_type != "llama":
+            return None
+        heads = reader.fields.get("llama.attention.head_count")
+        kv_heads = reader.fields.get("llama.attention.head_count_kv")
+        names = {t.name: _gguf_llama_name(t.name) for t in reader.tensors}
+    except Exception:  # unreadable here: transformers' loader reports it
+        return None
+    if heads is None or kv_heads is None or None in names.values():
+        return None
+    if _is_tied(hf_config) and "output.weight" in names:
+        return None
+    n_head, n_kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    tensors = {}
+    for tensor in reader.tensors:
+        try:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as err:
+            raise ConversionError(f"'{file}' cannot be read as GGUF ({one_line(err)}); it is corrupt or truncated, "
+                                  "re-download it") from None
+        if ".attn_q." in tensor.name:
+            weights = _unpermute_gguf_rows(weights, n_head)
+        elif ".attn_k." in tensor.name:
+            weights = _unpermute_gguf_rows(weights, n_kv)
+        value = torch.from_numpy(np.copy(weights)).to(torch.float32)
+        del weights
+        name = names[tensor.name]
+        tensors[name] = _prepare(name, value, file, dtype, True)
+    if _is_tied(hf_config) and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
+
+
 def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -531,6 +614,13 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(hf_config.model_type, None, file)
+    tensors = _read_gguf_tensors(file, hf_config, dtype)
+    if tensors is not None:  # read tensor by tensor: no transformers model, no second copy of the weights
+        from transformers import GenerationConfig
+
+        hf_config.dtype = torch.float32  # as transformers' loader leaves it (it builds the model in float32)
+        return _from_hf("gguf", file, hf_config, tensors, tokenizer_source=(folder, name),
+                        generation_config=GenerationConfig.from_model_config(hf_config))
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as err:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from tlm import TLMForCausalLM, parse_ratio, taper_widths
 from tlm.modules import RotaryEmbedding, rope_inv_freq
@@ -219,14 +220,28 @@ def _eval_blocks(tokenizer, opts):
 
 @torch.no_grad()
 def perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
-    """exp(mean next-token NLL) over non-overlapping blocks (every block scores seq_len - 1 tokens)."""
+    """exp(mean next-token NLL) over non-overlapping blocks (every block scores seq_len - 1 tokens).
+
+    The logits are formed one sequence at a time from the batch's last hidden states (as the streaming path
+    does): a (batch, seq, vocab) fp32 logit tensor, with its shifted copy and log-softmax, would be several times
+    the size of a small model's weights."""
     device = next(model.parameters()).device
+    per_sequence = isinstance(model, TLMForCausalLM)
     total, count = 0.0, 0
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i : i + batch_size].to(device)
-        loss = model(batch, labels=batch, use_cache=False).loss
-        n = batch.shape[0] * (batch.shape[1] - 1)
-        total, count = total + float(loss) * n, count + n
+        if not per_sequence:
+            loss = model(batch, labels=batch, use_cache=False).loss
+            n = batch.shape[0] * (batch.shape[1] - 1)
+            total, count = total + float(loss) * n, count + n
+            continue
+        hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state
+        for b in range(batch.shape[0]):
+            logits = model.lm_head(hidden[b, :-1])  # (S - 1, V)
+            loss = F.cross_entropy(logits.float(), batch[b, 1:], ignore_index=-100)
+            n = batch.shape[1] - 1
+            total, count = total + float(loss) * n, count + n
+            del logits
     return math.exp(total / count)
 
 
