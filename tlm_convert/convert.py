@@ -222,27 +222,31 @@ def _eval_blocks(tokenizer, opts):
 def perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
     """exp(mean next-token NLL) over non-overlapping blocks (every block scores seq_len - 1 tokens).
 
-    The logits are formed one sequence at a time from the batch's last hidden states (as the streaming path
-    does): a (batch, seq, vocab) fp32 logit tensor, with its shifted copy and log-softmax, would be several times
-    the size of a small model's weights."""
+    The logits are formed 128 positions at a time from the batch's last hidden states: a (batch, seq, vocab) fp32
+    logit tensor, with its shifted copy and log-softmax, would be several times the size of a small model's
+    weights."""
     device = next(model.parameters()).device
-    per_sequence = isinstance(model, TLMForCausalLM)
+    chunked = isinstance(model, TLMForCausalLM)
     total, count = 0.0, 0
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i : i + batch_size].to(device)
-        if not per_sequence:
+        if not chunked:
             loss = model(batch, labels=batch, use_cache=False).loss
             n = batch.shape[0] * (batch.shape[1] - 1)
             total, count = total + float(loss) * n, count + n
             continue
         hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state
         for b in range(batch.shape[0]):
-            logits = model.lm_head(hidden[b, :-1])  # (S - 1, V)
-            loss = F.cross_entropy(logits.float(), batch[b, 1:], ignore_index=-100)
-            n = batch.shape[1] - 1
-            total, count = total + float(loss) * n, count + n
-            del logits
+            for s in range(0, batch.shape[1] - 1, _LOGIT_CHUNK):
+                e = min(s + _LOGIT_CHUNK, batch.shape[1] - 1)
+                logits = model.lm_head(hidden[b, s:e])  # (positions, V)
+                total += float(F.cross_entropy(logits.float(), batch[b, s + 1 : e + 1], reduction="sum"))
+                del logits
+            count += batch.shape[1] - 1
     return math.exp(total / count)
+
+
+_LOGIT_CHUNK = 128  # positions whose logits perplexity forms at a time (128 x 49,152 fp32 = 25 MB for SmolLM2)
 
 
 def _strict_reload(config, state, opts):
