@@ -153,11 +153,9 @@ def build_model_and_tokenizer(recipe: Recipe):
 def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True):
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false)."""
-    from tlm_convert.checkpoint import load_source
+    from tlm_convert.checkpoint import load_source, resolve_builtin
     from tlm_convert.convert import materialize
     from tlm_convert.errors import ConversionError
-
-    from tlm_convert.cli import resolve_builtin
 
     try:
         src = load_source(resolve_builtin(path))
@@ -459,17 +457,12 @@ class _Run:
 
     def _write_model(self, folder: Path, weights: dict) -> None:
         """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
-        from tlm import TLMForCausalLM
-
-        with torch.device("meta"):
-            model = TLMForCausalLM(self.model_config)
-        model.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, strict=False, assign=True)
-        if self.model_config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
         from transformers.utils import logging as hf_logging
 
+        from tlm_convert.export import export_model
+
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
-        model.save_pretrained(str(folder))
+        export_model((self.model_config, {k: v.detach().cpu() for k, v in weights.items()}), folder, "tlm")
         self.tokenizer.save_pretrained(str(folder))
 
     def save_final(self) -> Path:
