@@ -66,7 +66,7 @@ def main() -> None:
         model, _ = _build_model(src, opts)
         t0 = time.perf_counter()
         calibrate_and_plan(model, calib, widths, importance=importance, refit=refit == "refit", grow_init=grow,
-                           batch_size=opts.batch_size)
+                           refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
         seconds = time.perf_counter() - t0
         model.config.intermediate_sizes = list(widths)
         ppl = perplexity(model, evalb, opts.batch_size)

@@ -11,7 +11,7 @@ import tlm
 from tlm_convert.calibrate import calibrate_and_plan
 from tlm_convert.checkpoint import load_source
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_convert.importance import ActivationStats, activation_stats
+from tlm_convert.importance import ActivationStats, StopForward, activation_stats
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_mlp
 from tlm_convert.upcycle import upcycle
 
@@ -97,6 +97,17 @@ def test_hook_statistics_accumulate_over_batches():
         assert other.tokens == whole.tokens == 60
 
 
+def test_stopping_hook_records_the_first_columns_and_stops():
+    linear = torch.nn.Linear(5, 3)
+    x = torch.randn(2, 4, 5)
+    with activation_stats(linear, keep=True, columns=3, stop=True) as stats:
+        with pytest.raises(StopForward):
+            linear(x)
+    assert stats.tokens == 8 and torch.equal(stats.kept[0], x[..., :3])
+    torch.testing.assert_close(stats.sum, x[..., :3].sum((0, 1)).double())
+    assert not linear._forward_pre_hooks
+
+
 def test_hooks_are_removed_when_a_batch_fails():
     linear = torch.nn.Linear(5, 3)
     with pytest.raises(RuntimeError), activation_stats(linear) as stats:
@@ -134,14 +145,26 @@ def test_upcycling_preserves_logits(mixer, tmp_path, tokenizer, ids):
     torch.testing.assert_close(_logits(model, ids), source_logits(tmp_path / "src", ids), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt2"])
-def test_carried_activations_match_the_converted_model(family, tmp_path, tokenizer):
-    # the calibration reuses first-pass activations after resizing; the result must be the converted model's
+@pytest.mark.parametrize("family, importance, grow_init, refit_target", [
+    ("gemma3_text", "wanda_sp", "noise", "local"),
+    ("gpt2", "wanda_sp", "noise", "local"),
+    ("llama", "activation", "noise", "residual"),
+    ("llama", "obs", "split", "local"),  # split growth: scores first, then resize and a second pass
+    ("llama", "obs", "noise", "residual"),
+    ("llama", "magnitude", "zero", "residual"),
+])
+def test_carried_activations_match_the_converted_model(family, importance, grow_init, refit_target, tmp_path,
+                                                       tokenizer):
+    # the calibration carries each layer's output from recorded activations (shrinking layers) or from a pass
+    # through the already-resized layer (growing ones); the result must be the converted model's own forward
     src = load_source(str(make_source(tmp_path / "src", family, tokenizer=tokenizer)))
     blocks = torch.tensor(tokenizer(DATA.read_text())["input_ids"][: 8 * 32]).view(8, 32)
     model = tlm.TLMForCausalLM(src.tlm_config).eval()
     model.load_state_dict(src.state_dict)
-    result = calibrate_and_plan(model, blocks, [72, 60, 36, 24], importance="wanda_sp", batch_size=4)
+    result = calibrate_and_plan(model, blocks, [72, 60, 36, 24], importance=importance, grow_init=grow_init,
+                                refit_target=refit_target, batch_size=4)
+    assert [p.width for p in result.plans] == [72, 60, 36, 24]
+    assert [len(s) for s in result.scores] == [WIDTH] * 4  # scores of the source neurons, grown layers too
     model.config.intermediate_sizes = [72, 60, 36, 24]
     with torch.no_grad():
         last = model.model(blocks, use_cache=False).last_hidden_state  # after the final norm

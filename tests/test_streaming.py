@@ -39,6 +39,8 @@ def _leftovers(parent, name):
     ("llama", dict(eval_data=str(DATA), eval_tokens=192), None),  # small enough for the in-memory path's steps
     ("gpt2", dict(refit_target="residual"), "blocks"),  # the code paths of wide layers: blocked Gram, AᵀY and refit
     ("llama", dict(refit_target="local"), "hook"),  # ... and of calibration sets too large to keep the activations
+    ("llama", dict(importance="obs", refit_target="residual"), None),  # OBS from the residual optimum D*
+    ("gpt2", dict(importance="obs", refit_target="residual"), "hook"),
 ])
 def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources, tmp_path, monkeypatch):
     src = sources[family]

@@ -4,10 +4,19 @@ The calibration tokens flow through the model one layer at a time, and every lay
 next one sees its input ("sequential" calibration, as SparseGPT processes layers): layer l's statistics are
 taken on the output of the already-converted layers 0..l-1, so each refit absorbs the error upstream of it.
 
-Per layer l:  z = mix(h) for every batch  ->  MLP forward with an activation hook (importance statistics, and
-the Gram matrix for a shrinking layer)  ->  plan (keep the top-scored neurons or grow)  ->  resize the layer's
-MLP in place (least-squares refit of the down projection when shrinking)  ->  h = feed_forward(z) with the
-new MLP. The cost is one forward pass over the calibration tokens, plus a second MLP pass for resized layers.
+Per layer l, after z = mix(h) for every batch:
+
+* a growing layer (``noise`` / ``zero`` growth, whose plan needs no statistics) is resized first and run once,
+  its activation hook recording the source neurons' statistics (the importance profile);
+* a shrinking layer runs its MLP only up to the down projection (the hook records the activations and stops the
+  forward), keeps its top-scored neurons, refits the down projection by least squares on the kept neurons'
+  activations (their Gram matrix only: |K|² instead of I²), and forms h = z + D′ a_K from the recorded
+  activations;
+* a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
+  the hook, then is resized and run again.
+
+The cost is one forward pass over the calibration tokens plus the refit's products, and with
+``refit_target="residual"`` the source model's layers from the first shrinking layer on.
 """
 
 from __future__ import annotations
@@ -20,8 +29,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .compensate import obs_prune, refit_down_proj
-from .importance import activation_stats, neuron_scores
+from .compensate import obs_prune, refit_kept
+from .importance import StopForward, activation_stats, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
@@ -43,52 +52,40 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
     """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
 
     blocks: (n, S) token ids. ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context
-    manager that accounts seconds to "calibrate" (forward passes with hooks), "rank" (scores, plan, refit) and
-    "resize" (new weights and the second MLP pass).
+    manager that accounts seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank"
+    (scores, plan, the refit's solve) and "resize" (new weights and the MLP passes that use them).
 
     ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
-    "residual" fits it to the MLP output that restores the *source* model's residual stream after the layer,
-    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. "residual" runs the
-    source model alongside (one more forward pass) and does not apply to sandwich-norm (Gemma 3) blocks.
+    "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
+    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
+    starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
+    their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
+    does not apply to sandwich-norm (Gemma 3) blocks.
     """
     timer = timer or _no_timer
     residual = refit and refit_target == "residual" and not model.config.sandwich_norm
     base = model.model
-    cfg = model.config
     device = next(model.parameters()).device
     batches = [blocks[i : i + batch_size].to(device) for i in range(0, len(blocks), batch_size)]
     positions = [torch.arange(b.shape[1], device=device).expand(b.shape[0], -1) for b in batches]
     hidden = [base.embed(base.embed_tokens(b), p) for b, p in zip(batches, positions)]
-    source_hidden = list(hidden) if residual else None  # the source model's residual stream
+    source_hidden = None  # the source layers' residual stream, from the first shrinking layer on
+    step = _LayerStep(base, positions, importance, grow_init, refit, seed, noise_scale, damp, timer)
     plans, scores = [], []
     for i, layer in enumerate(base.layers):
         width, source_width = widths[i], layer.mlp.down_proj.in_features
-        shrinking = width < source_width
         with timer("calibrate"):
-            mixed = [_mix(base, layer, h, p) for h, p in zip(hidden, positions)]
-            with activation_stats(layer.mlp.down_proj, gram=shrinking and (refit or importance == "obs"),
-                                  keep=width != source_width) as stats:
-                hidden = [layer.feed_forward(z) for z in mixed]
-            if residual:  # the source layer's output (outside the hook: these are not calibration statistics)
-                source_hidden = [layer.feed_forward(_mix(base, layer, h, p)) for h, p in zip(source_hidden, positions)]
-                cross = _residual_cross(layer, mixed, stats.kept, source_hidden) if shrinking else None
-        with timer("rank"):
-            weights = {n: getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
-                       if hasattr(layer.mlp, n)}
-            score = neuron_scores(importance, stats, weights, seed=seed + i)
-            if shrinking and importance == "obs":
-                keep, down = obs_prune(stats.gram, weights["down_proj"], width, damp=damp)
-                plan = LayerPlan(keep=keep, down_override=down)
-            else:
-                plan = plan_from_scores([score], [width])[0]
-                if shrinking and refit:
-                    plan.down_override = refit_down_proj(stats.gram, weights["down_proj"], plan.keep, damp=damp,
-                                                         cross=cross if residual else None)
-        if width != source_width:
-            with timer("resize"):
-                _resize_in_place(layer, i, plan, cfg, grow_init, noise_scale, seed)
-                hidden = [_feed_forward_reusing(layer, z, a, plan) for z, a in zip(mixed, stats.kept)]
-            stats.kept.clear()
+            if residual and width < source_width and source_hidden is None:
+                source_hidden = list(hidden)
+            mixed = step.mix(layer, hidden)
+            if source_hidden is not None:  # the source layer (not yet resized) on the source stream
+                source_hidden = [layer.feed_forward(z) for z in step.mix(layer, source_hidden)]
+        if width < source_width:
+            plan, score, hidden = step.shrink(i, layer, mixed, width, source_hidden)
+        elif width > source_width and grow_init != "split":
+            plan, score, hidden = step.grow(i, layer, mixed, width)
+        else:
+            plan, score, hidden = step.keep_or_split(i, layer, mixed, width)
         plans.append(plan)
         scores.append(score.float())
         if progress is not None:
@@ -96,14 +93,126 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
 
 
-def _residual_cross(layer, mixed, acts, source_hidden) -> torch.Tensor:
-    """Σ aᵀ (h_src − z − b): (I, d) fp64 — the right-hand side of the residual-target least squares."""
-    bias = layer.mlp.down_proj.bias
-    cross = 0
-    for z, a, h in zip(mixed, acts, source_hidden):
-        target = (h - z) if bias is None else (h - z - bias)  # (B, S, d)
-        cross = cross + (a.flatten(0, 1).T.float() @ target.flatten(0, 1).float()).double()
-    return cross
+class _LayerStep:
+    """The three ways a layer is calibrated and resized (see the module docstring); each returns
+    (plan, scores of the source neurons, the layer's output per batch). Consumes ``mixed`` batch by batch."""
+
+    def __init__(self, base, positions, importance, grow_init, refit, seed, noise_scale, damp, timer):
+        self.base, self.positions, self.timer = base, positions, timer
+        self.importance, self.grow_init, self.refit = importance, grow_init, refit
+        self.seed, self.noise_scale, self.damp = seed, noise_scale, damp
+
+    def mix(self, layer, hidden: list) -> list:
+        """z = mix(h) per batch; frees each input batch as soon as it is mixed."""
+        out = []
+        for b, p in enumerate(self.positions):
+            out.append(_mix(self.base, layer, hidden[b], p))
+            hidden[b] = None
+        return out
+
+    def scores(self, i, layer, stats, width=None) -> torch.Tensor:
+        with self.timer("rank"):
+            return neuron_scores(self.importance, stats, _weights(layer.mlp, width), seed=self.seed + i)
+
+    def resize(self, i, layer, plan) -> None:
+        _resize_in_place(layer, i, plan, self.grow_init, self.noise_scale, self.seed)
+
+    def grow(self, i, layer, mixed, width):
+        source_width = layer.mlp.down_proj.in_features
+        plan = LayerPlan(keep=list(range(source_width)), grow=width - source_width)
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+            with activation_stats(layer.mlp.down_proj, columns=source_width) as stats:
+                hidden = _consume(mixed, layer.feed_forward)
+        return plan, self.scores(i, layer, stats, source_width), hidden
+
+    def keep_or_split(self, i, layer, mixed, width):
+        source_width = layer.mlp.down_proj.in_features
+        with self.timer("calibrate"), activation_stats(layer.mlp.down_proj) as stats:
+            hidden = [layer.feed_forward(z) for z in mixed]
+        score = self.scores(i, layer, stats)
+        plan = plan_from_scores([score], [width])[0]
+        if width != source_width:  # split growth: the plan copies the top-scored neurons
+            with self.timer("resize"):
+                self.resize(i, layer, plan)
+                hidden = _consume(mixed, layer.feed_forward)
+        return plan, score, hidden
+
+    def shrink(self, i, layer, mixed, width, source_hidden):
+        obs = self.importance == "obs"
+        with self.timer("calibrate"):
+            with activation_stats(layer.mlp.down_proj, gram=obs and source_hidden is None, keep=True,
+                                  stop=True) as stats:
+                for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
+                    try:
+                        layer.feed_forward(z)
+                    except StopForward:
+                        pass
+        score = self.scores(i, layer, stats)
+        down = layer.mlp.down_proj
+        if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
+            start = down.weight
+            if source_hidden is not None:
+                with self.timer("calibrate"):
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, range(down.in_features), source_hidden)
+                with self.timer("rank"):
+                    start = refit_kept(stats.gram, rhs, damp=self.damp)
+            with self.timer("rank"):
+                keep, new_down = obs_prune(stats.gram, start, width, damp=self.damp)
+            plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
+        else:
+            plan = plan_from_scores([score], [width])[0]
+            if self.refit:
+                with self.timer("calibrate"):
+                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden)
+                with self.timer("rank"):
+                    plan.down_override = refit_kept(gram, rhs, damp=self.damp).to(down.weight.dtype)
+        stats.gram = None
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+            hidden = []
+            for b in range(len(mixed)):  # z + D′ a_K from the recorded activations; frees both per batch
+                hidden.append(_feed_forward_reusing(layer, mixed[b], stats.kept[b], plan))
+                mixed[b] = stats.kept[b] = None
+        return plan, score, hidden
+
+
+def _consume(mixed: list, fn) -> list:
+    """[fn(z) for z in mixed], freeing each z once used."""
+    out = []
+    for b in range(len(mixed)):
+        out.append(fn(mixed[b]))
+        mixed[b] = None
+    return out
+
+
+def _weights(mlp, width=None) -> dict:
+    """The layer's gate/up/down weights, restricted to its first ``width`` neurons (the source ones)."""
+    width = width or mlp.down_proj.in_features
+    out = {n: getattr(mlp, n).weight[:width] for n in ("gate_proj", "up_proj") if hasattr(mlp, n)}
+    out["down_proj"] = mlp.down_proj.weight[:, :width]
+    return out
+
+
+def _kept_system(down, acts, mixed, keep, source_hidden=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64.
+
+    Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
+    the source stream, h_src − z − b ("residual"). fp32 products per batch, accumulated in fp64."""
+    idx = torch.as_tensor(list(keep), dtype=torch.long, device=down.weight.device)
+    gram = rhs = 0
+    for b, a in enumerate(acts):
+        a = a.flatten(0, 1).float()  # (N_b, I)
+        a_k = a.index_select(1, idx)  # (N_b, K)
+        if source_hidden is None:
+            target = F.linear(a, down.weight.float())  # (N_b, d)
+        else:
+            target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
+            if down.bias is not None:
+                target = target - down.bias.float()
+        gram = gram + (a_k.T @ a_k).double()
+        rhs = rhs + (a_k.T @ target).double()
+    return gram, rhs
 
 
 def _feed_forward_reusing(layer, z, a, plan):
@@ -137,22 +246,20 @@ def _no_timer(_phase):
     yield
 
 
-def _resize_in_place(layer, idx, plan, cfg, grow_init, noise_scale, seed) -> None:
+def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
+    """Give the layer's MLP projections their resized tensors (``surgery.resize_layer``) in place."""
     prefix = f"model.layers.{idx}.mlp."
-    sd = {prefix + k: v for k, v in layer.mlp.state_dict().items()}
-    new = resize_layer(sd, idx, plan, grow_init, noise_scale, seed, cfg.mlp_gated)
     mlp = layer.mlp
+    sd = {prefix + k: v for k, v in mlp.state_dict().items()}
+    new = resize_layer(sd, idx, plan, grow_init, noise_scale, seed, gated=hasattr(mlp, "gate_proj"))
     for name, module in mlp.named_children():
         if not isinstance(module, nn.Linear):
             continue
         weight = new[prefix + name + ".weight"]
-        bias = new.get(prefix + name + ".bias", module.bias)  # down_proj's bias is per output, never resized
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                           dtype=weight.dtype)
-        linear.weight.copy_(weight)
-        if bias is not None:
-            linear.bias.copy_(bias)
-        setattr(mlp, name, linear)
+        module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        if prefix + name + ".bias" in new:  # down_proj's bias is per output, never resized
+            module.bias = nn.Parameter(new[prefix + name + ".bias"], requires_grad=module.bias.requires_grad)
+        module.out_features, module.in_features = weight.shape
     mlp.intermediate_size = plan.width
 
 

@@ -20,19 +20,23 @@ def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], dam
 
     ``cross`` (I, d) = Aᵀ Y replaces the target A Dᵀ by another target Y (e.g. the residual target)."""
     idx = torch.tensor(keep, dtype=torch.long)
-    g_kk = gram[idx][:, idx]  # (K, K)
     rhs = cross[idx] if cross is not None else gram[idx] @ down.double().T  # (K, d)
+    return refit_kept(gram[idx][:, idx], rhs, damp).to(down.dtype)
+
+
+def refit_kept(g_kk: torch.Tensor, rhs: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """Solve (G_KK + λI) Xᵀ = A_Kᵀ Y for the kept neurons: g_kk (K, K), rhs (K, d), fp64 -> X (d, K) fp64."""
     lam = damp * g_kk.diagonal().mean().clamp(min=1e-12)
-    system = g_kk + lam * torch.eye(len(keep), dtype=torch.float64)
+    system = g_kk + lam * torch.eye(len(g_kk), dtype=torch.float64, device=g_kk.device)
     chol, info = torch.linalg.cholesky_ex(system)
     if int(info) != 0:  # not positive definite even with damping: fall back to a least-squares solve
         solution = torch.linalg.lstsq(system, rhs).solution
     else:
         solution = torch.cholesky_solve(rhs, chol)  # (K, d)
-    return solution.T.to(down.dtype).contiguous()
+    return solution.T.contiguous()
 
 
-__all__ = ["refit_down_proj", "obs_prune"]
+__all__ = ["refit_down_proj", "refit_kept", "obs_prune"]
 
 
 def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 0.01) -> tuple[list[int], torch.Tensor]:
@@ -43,19 +47,26 @@ def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 
     gram: (I, I) fp64; down: (d, I) -> (kept indices ascending, compensated down projection (d, width)).
     Damping λ·I is added to G as in ``refit_down_proj`` (here it pulls the compensation towards the source
     columns rather than towards zero).
+
+    G⁻¹ is never updated in place: after s removals it is H₀ − Q Qᵀ with one column of Q per removal
+    (q = H[:, j] / √H[j, j]), so a step costs O(I·(d + s)) instead of O(I²), and only its diagonal is tracked.
     """
     n = gram.shape[0]
     lam = damp * gram.diagonal().mean().clamp(min=1e-12)
-    hinv = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64))  # (I, I)
+    h0 = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64))  # (I, I)
+    removals = n - width
+    q = torch.zeros(n, max(removals, 0), dtype=torch.float64)  # (I, removals)
+    diag = h0.diagonal().clone()  # diag(G⁻¹) after the removals so far
     w = down.double().clone()  # (d, I)
     alive = torch.ones(n, dtype=torch.bool)
-    for _ in range(n - width):
-        cost = w.pow(2).sum(0) / hinv.diagonal().clamp(min=1e-30)  # (I,)
+    for s in range(removals):
+        cost = w.pow(2).sum(0) / diag.clamp(min=1e-30)  # (I,)
         cost[~alive] = float("inf")
         j = int(torch.argmin(cost))
-        row = hinv[j] / hinv[j, j]  # (I,)
-        w -= w[:, j : j + 1] * row[None, :]  # compensate every other column; column j becomes 0
-        hinv -= hinv[:, j : j + 1] * row[None, :]
+        col = h0[:, j] - q[:, :s] @ q[j, :s]  # (I,) column j of the current G⁻¹
+        w -= w[:, j : j + 1] * (col / col[j])[None, :]  # compensate every other column; column j becomes 0
+        q[:, s] = col / col[j].sqrt()
+        diag -= q[:, s].pow(2)
         alive[j] = False
     keep = alive.nonzero().flatten().tolist()
     return keep, w[:, alive].to(down.dtype).contiguous()

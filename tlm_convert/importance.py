@@ -63,12 +63,28 @@ class ActivationStats:
         return (self.sumsq / max(self.tokens, 1) - self.mean.pow(2)).clamp(min=0)
 
 
+class StopForward(Exception):
+    """Raised by a ``stop=True`` statistics hook once it has recorded its input (the rest of the forward, here
+    the down projection itself, is not needed)."""
+
+
 @contextmanager
-def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool = False):
+def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool = False, columns: int | None = None,
+                     stop: bool = False):
     """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed.
-    ``keep=True`` also keeps each batch's activation tensor in ``stats.kept`` (the converter reuses them)."""
-    stats = ActivationStats(down_proj.in_features, gram=gram, keep=keep)
-    handle = down_proj.register_forward_pre_hook(lambda _module, args: stats.update(args[0].detach()))
+
+    ``keep=True`` also keeps each batch's activation tensor in ``stats.kept`` (the converter reuses them);
+    ``columns`` records only the first that many neurons (the source ones of a grown layer); ``stop=True`` raises
+    :class:`StopForward` after recording, for callers that only want the activations."""
+    width = columns or down_proj.in_features
+    stats = ActivationStats(width, gram=gram, keep=keep)
+
+    def hook(_module, args):
+        stats.update(args[0].detach()[..., :width])
+        if stop:
+            raise StopForward
+
+    handle = down_proj.register_forward_pre_hook(hook)
     try:
         yield stats
     finally:
@@ -96,4 +112,4 @@ def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, see
     return stats.variance * col_sq  # wifv
 
 
-__all__ = ["METRICS", "ActivationStats", "activation_stats", "neuron_scores"]
+__all__ = ["METRICS", "ActivationStats", "StopForward", "activation_stats", "neuron_scores"]

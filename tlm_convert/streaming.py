@@ -17,14 +17,13 @@ temporary folder is removed and OUT is left as it was.
 
 The arithmetic is that of :func:`tlm_convert.calibrate.calibrate_and_plan` (same functions, seeds, batches and
 order of operations: ``neuron_scores``, ``plan_from_scores``, ``obs_prune``, ``resize_layer``, ``_mix``,
-``_feed_forward_reusing``, ``upcycle._split_mlp``, and ``_residual_cross``'s sum; ``refit_target="residual"``
-carries the source model's residual stream alongside), so both paths write the same tensors: bit for bit on small
-models, where every step below takes the in-memory path's own route. Where that path holds large temporaries, this
-one is frugal, with results equal up to floating-point rounding (tests/test_streaming.py forces these routes on a
-tiny model: max |Δ| ~1e-6):
+``_feed_forward_reusing``, ``upcycle._split_mlp``; ``refit_target="residual"`` carries the source layers' residual
+stream alongside from the first shrinking layer on), so both paths write the same tensors up to floating-point
+rounding (the in-memory path forms the refit's system from the kept neurons only and skips the full-width MLP
+output of shrinking layers; this one keeps its frugal routes below; tests/test_streaming.py: max |Δ| <= 1e-5):
 
 * tensors are read with plain file reads, not memory maps (a mapped checkpoint's pages count in the RSS);
-* a shrinking layer's statistics pass keeps its activations (as the in-memory path does for the second MLP pass);
+* a shrinking layer's statistics pass keeps its activations (as the in-memory path does);
   the scores come first, then the Gram matrix AᵀA (I × I, fp64) is built from the kept activations in row blocks
   (the in-memory path's additions, in its order), so the scores' fp64 temporaries and the Gram matrix never meet;
   the residual target's AᵀY is formed only for the kept rows, in row blocks;
@@ -86,7 +85,7 @@ from .archs import (
     tlm_config_from_hf,
 )
 from .checkpoint import read_hf_config, weight_files
-from .compensate import obs_prune
+from .compensate import obs_prune, refit_kept
 from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths, publish
 from .data import load_text, token_blocks
 from .errors import ConversionError, one_line
@@ -99,7 +98,7 @@ logger = logging.getLogger(__name__)
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 BLOCK_BYTES = 64 << 20  # the largest temporary of the blocked Gram update and of the refit
-KEEP_ACTIVATIONS_BYTES = 256 << 20  # keep first-pass activations (for the second MLP pass) up to this size
+KEEP_ACTIVATIONS_BYTES = 256 << 20  # keep first-pass activations (for the resized layer's output) up to this size
 _CALIBRATE_DEFAULTS = inspect.signature(calibrate.calibrate_and_plan).parameters
 NOISE_SCALE = _CALIBRATE_DEFAULTS["noise_scale"].default  # the values the in-memory path runs with
 DAMP = _CALIBRATE_DEFAULTS["damp"].default
@@ -574,8 +573,6 @@ class _Run:
         with self.quiet("load"):
             tensors = self.src.read(first)
             self.hidden = self._embed(self.base, tensors, self.batches, self.positions)
-            if self.residual:
-                self.source_hidden = list(self.hidden)
             cast = {k: v.to(self.dtype) for k, v in tensors.items()}
             if self.eval_batches is not None:
                 self.eval_before = self._embed(self.base, tensors, self.eval_batches, self.eval_positions)
@@ -609,9 +606,10 @@ class _Run:
         # scores: the scores' fp64 temporaries and the I × I Gram matrix are then never in memory together
         late = gram and keep
         with self.timer("calibrate"):
+            if self.residual and shrinking and self.source_hidden is None:  # the source stream starts here
+                self.source_hidden = list(self.hidden)
             mixed = [calibrate._mix(self.base, layer, h, p) for h, p in zip(self.hidden, self.positions)]
-            if self.residual:  # the source layer on the source stream (the in-memory path runs it right after the
-                # hooked pass below, with the same, not yet resized, weights)
+            if self.source_hidden is not None:  # the source layer (not yet resized) on the source stream
                 self.source_hidden = [layer.feed_forward(calibrate._mix(self.base, layer, h, p))
                                       for h, p in zip(self.source_hidden, self.positions)]
             layer.self_attn = None  # read again when the layer is written
@@ -634,10 +632,21 @@ class _Run:
                 stats.gram = torch.zeros(source_width, source_width, dtype=torch.float64)
                 for a in stats.kept:  # the hook's additions, in the hook's order
                     _add_gram(stats.gram, a)
+        start = down  # OBS prunes from the least-squares optimum of the target: D (local), D* (residual)
+        if shrinking and opts.importance == "obs" and self.residual:
+            if cross is None:
+                with self.timer("calibrate"):
+                    cross = _CrossAccumulator(layer, mixed, self.source_hidden)
+                    for a in stats.kept:
+                        cross.add(a)
+            with self.timer("rank"):
+                start = refit_kept(stats.gram, cross.take(), damp=DAMP)
+            cross = None
         with self.timer("rank"):
             if shrinking and opts.importance == "obs":
-                keep_idx, new_down = obs_prune(stats.gram, down, width, damp=DAMP)
-                plan = LayerPlan(keep=keep_idx, down_override=new_down)
+                keep_idx, new_down = obs_prune(stats.gram, start, width, damp=DAMP)
+                start = None
+                plan = LayerPlan(keep=keep_idx, down_override=new_down.to(down.dtype))
             else:
                 plan = plan_from_scores([score], [width])[0]
         if shrinking and opts.refit and opts.importance != "obs":
@@ -932,12 +941,12 @@ def _add_gram(gram: torch.Tensor, a: torch.Tensor) -> None:
 
 
 class _CrossAccumulator:
-    """calibrate._residual_cross, Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time and in place; with
+    """The residual target's right-hand side, Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time and in place; with
     ``rows`` only those rows, stored transposed (d, K): the refit's right-hand side as it solves it.
 
-    The same products and additions in the same order (0 + X₀ + X₁ + ...); a layer narrow enough for one block
-    takes exactly ``_residual_cross``'s steps (and then picks the rows), a wider one forms only the wanted rows, in
-    blocks of at most BLOCK_BYTES.
+    Products in fp32, additions in fp64 in batch order (0 + X₀ + X₁ + ...); a layer narrow enough for one block
+    forms all rows (and then picks the wanted ones), a wider one forms only the wanted rows, in blocks of at most
+    BLOCK_BYTES.
     """
 
     def __init__(self, layer, mixed, source_hidden, rows: list[int] | None = None):
