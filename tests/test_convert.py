@@ -221,3 +221,14 @@ def test_calibration_blocks_are_spread_over_the_whole_text():
     assert token_blocks(tokenizer, text, 64, 4 * 64, spread=False)[:, 0].tolist() == [0, 64, 128, 192]
     assert token_blocks(tokenizer, text, 64, None)[:, 0].tolist() == [64 * i for i in range(15)]
     assert len(set(token_blocks(tokenizer, text, 64, 14 * 64)[:, 0].tolist())) == 14
+
+
+def test_importance_default_depends_on_the_path():
+    # OBS (the best measured) in memory; activation with --low-memory, whose streaming avoids dense I x I matrices
+    in_memory, low = ConvertOptions(), ConvertOptions(low_memory=True)
+    in_memory.validate()
+    low.validate()
+    assert (in_memory.importance, low.importance) == ("obs", "activation")
+    chosen = ConvertOptions(importance="wanda_sp", low_memory=True)
+    chosen.validate()
+    assert chosen.importance == "wanda_sp"

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .compensate import obs_prune, refit_kept
+from .compensate import DAMP, obs_prune, refit_kept
 from .importance import StopForward, activation_stats, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
@@ -47,7 +47,7 @@ class CalibrationResult:
 @torch.no_grad()
 def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importance: str = "activation",
                        grow_init: str = "noise", refit: bool = True, batch_size: int = 8, seed: int = 0,
-                       noise_scale: float = 1e-2, damp: float = 0.01, refit_target: str = "local",
+                       noise_scale: float = 1e-2, damp: float = DAMP, refit_target: str = "local",
                        progress=None, timer=None) -> CalibrationResult:
     """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
 

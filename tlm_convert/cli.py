@@ -160,10 +160,11 @@ def _return_freed_memory() -> None:
 @click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
 @click.option("--calibration-data", default="default", show_default=True,
               help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, or 'default' (bundled English).")
-@click.option("--calibration-tokens", type=int, default=32768, show_default=True)
+@click.option("--calibration-tokens", type=int, default=65536, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
-@click.option("--importance", default="activation", show_default=True,
-              type=click.Choice(["activation", "obs", "wanda_sp", "wifv", "magnitude", "random"]))
+@click.option("--importance", default=None,
+              type=click.Choice(["activation", "obs", "wanda_sp", "wifv", "magnitude", "random"]),
+              help="How shrinking layers choose their neurons [default: obs; activation with --low-memory].")
 @click.option("--grow-init", default="noise", show_default=True, type=click.Choice(["noise", "zero", "split"]))
 @click.option("--refit/--no-refit", default=True, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")

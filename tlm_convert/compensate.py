@@ -6,15 +6,18 @@ minimising ‖A_K D′ᵀ − A Dᵀ‖² + λ‖D′‖²:
     D′ᵀ = (G_KK + λI)⁻¹ G_K: Dᵀ          λ = damp · mean(diag G_KK)   (GPTQ / SparseGPT-style damping)
 
 i.e. the kept columns plus the part of the pruned neurons' output that the kept neurons predict linearly.
-Solved in fp64 by Cholesky. The refit only ever applies to layers that shrink.
+Solved in fp64 by Cholesky. The refit only ever applies to layers that shrink. ``DAMP`` = 1e-3 was measured on
+SmolLM2-135M (bench/RESULTS.md): 0.1 -> 1.83x, 0.01 -> 1.54x, 1e-3 -> 1.52x, 1e-4 -> 1.52x perplexity ratio.
 """
 
 from __future__ import annotations
 
 import torch
 
+DAMP = 1e-3  # λ relative to the mean diagonal of the Gram matrix
 
-def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
+
+def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = DAMP,
                     cross: torch.Tensor | None = None) -> torch.Tensor:
     """gram: (I, I) fp64; down: (d, I); keep: kept neuron indices -> new down projection (d, |K|).
 
@@ -24,7 +27,7 @@ def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], dam
     return refit_kept(gram[idx][:, idx], rhs, damp).to(down.dtype)
 
 
-def refit_kept(g_kk: torch.Tensor, rhs: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+def refit_kept(g_kk: torch.Tensor, rhs: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     """Solve (G_KK + λI) Xᵀ = A_Kᵀ Y for the kept neurons: g_kk (K, K), rhs (K, d), fp64 -> X (d, K) fp64."""
     lam = damp * g_kk.diagonal().mean().clamp(min=1e-12)
     system = g_kk + lam * torch.eye(len(g_kk), dtype=torch.float64, device=g_kk.device)
@@ -36,10 +39,10 @@ def refit_kept(g_kk: torch.Tensor, rhs: torch.Tensor, damp: float = 0.01) -> tor
     return solution.T.contiguous()
 
 
-__all__ = ["refit_down_proj", "refit_kept", "obs_prune"]
+__all__ = ["DAMP", "refit_down_proj", "refit_kept", "obs_prune"]
 
 
-def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 0.01) -> tuple[list[int], torch.Tensor]:
+def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = DAMP) -> tuple[list[int], torch.Tensor]:
     """Greedy structured Optimal Brain Surgeon: remove neurons one at a time, always the one whose removal (with
     the optimal least-squares compensation of the others) costs least, ‖d_j‖² / [G⁻¹]_jj, updating the remaining
     columns and G⁻¹ after each removal (as SparseGPT does for weights; ZipLM for structures).

@@ -45,9 +45,9 @@ class ConvertOptions:
     ratio: str = "1.5/0.5"
     multiple_of: int | None = None  # default: 256 for --export deci, else 16 when it divides the width, else 1
     calibration_data: str = "default"
-    calibration_tokens: int = 32768
+    calibration_tokens: int = 65536
     seq_len: int = 512
-    importance: str = "activation"
+    importance: str | None = None  # default: "obs" (best measured), "activation" with low_memory (see validate)
     grow_init: str = "noise"
     refit: bool = True
     refit_target: str = "residual"
@@ -63,7 +63,11 @@ class ConvertOptions:
     overwrite: bool = False
 
     def validate(self) -> None:
-        """Fail fast, before anything is loaded; one line per problem."""
+        """Fail fast, before anything is loaded; one line per problem. Fills in the defaults that depend on other
+        options: ``importance`` is "obs" (structured OBS, the best variant measured on SmolLM2, bench/RESULTS.md),
+        or "activation" with ``low_memory`` (OBS holds dense I × I matrices, which the streaming path avoids)."""
+        if self.importance is None:
+            self.importance = "activation" if self.low_memory else "obs"
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
                    "dtype": (self.dtype, ("float32", "bfloat16", "float16"))}

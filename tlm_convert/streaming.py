@@ -999,7 +999,7 @@ def _activation_stats(down_proj, gram: bool = False, keep: bool = False, on_batc
         handle.remove()
 
 
-def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = 0.01,
+def refit_down_proj_inplace(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = DAMP,
                             cross: torch.Tensor | None = None, rhs_t: torch.Tensor | None = None) -> torch.Tensor:
     """``compensate.refit_down_proj`` (the same solution up to rounding) with no K × K or I × I temporaries.
 

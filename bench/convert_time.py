@@ -1,0 +1,103 @@
+"""Conversion time against plain forward passes over the same calibration tokens (issue 3, item 9).
+
+Side by side in one process, so that a slow phase of a shared machine hits both alike:
+
+    A  plain forward passes: ``model(batch, use_cache=False)`` (logits included) over the calibration blocks,
+       batch ``--batch-size``, no grad, the source model in fp32
+    B  ``tlm_convert.convert`` end to end with the given options and no evaluation (load, calibrate, rank,
+       resize, save), into a temporary folder
+    A  again
+
+and the ratio B / mean(A), for the total and for the calibrate + rank + resize phases alone. Run it from the
+repository root:
+
+    OMP_NUM_THREADS=1 python bench/convert_time.py --threads 1 --out bench/results/convert_time.json
+    python bench/convert_time.py --set refit_target=local   # any ConvertOptions field
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tlm_convert.checkpoint import load_source, resolve_builtin  # noqa: E402
+from tlm_convert.convert import ConvertOptions, _build_model, convert  # noqa: E402
+from tlm_convert.data import load_text, token_blocks  # noqa: E402
+
+
+def plain_forward_seconds(source: str, opts: ConvertOptions) -> float:
+    """Seconds of the plain forward passes over the calibration blocks ``convert`` would use."""
+    src = load_source(source, dtype=torch.float32)
+    model, tokenizer = _build_model(src, opts)
+    blocks = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(blocks), opts.batch_size):
+            model(blocks[i : i + opts.batch_size], use_cache=False)
+    return time.perf_counter() - start
+
+
+def _options(pairs: list[str]) -> ConvertOptions:
+    types = {f.name: f.type for f in fields(ConvertOptions)}
+    values = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in types:
+            raise SystemExit(f"--set {pair}: unknown option {key!r}; expected one of {', '.join(types)}")
+        kind = types[key] if isinstance(types[key], str) else types[key].__name__
+        values[key] = (value.lower() in ("1", "true", "yes")) if "bool" in kind else \
+            int(value) if kind.startswith("int") else value
+    return ConvertOptions(**values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a ConvertOptions field, e.g. calibration_tokens=16384 or refit_target=local")
+    parser.add_argument("--out", default="bench/results/convert_time.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    opts = _options(args.set)
+    source = resolve_builtin(args.source)
+
+    forward = [plain_forward_seconds(source, opts)]
+    print(f"plain forward: {forward[0]:.1f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        report = convert(source, str(Path(tmp) / "out"), opts)
+        wall = time.perf_counter() - start
+    print(f"conversion: {wall:.1f} s", flush=True)
+    forward.append(plain_forward_seconds(source, opts))
+    print(f"plain forward: {forward[1]:.1f} s", flush=True)
+
+    base = statistics.mean(forward)
+    phases = report["seconds"]
+    core = phases["calibrate"] + phases["rank"] + phases["resize"]
+    result = {
+        "machine": platform.machine(), "threads": args.threads, "torch": torch.__version__,
+        "options": asdict(opts), "calibration_tokens": report["calibration_tokens"],
+        "plain_forward_seconds": forward, "conversion_wall_seconds": wall, "seconds_per_phase": phases,
+        "ratio_total": wall / base, "ratio_calibrate_rank_resize": core / base,
+        "params_before": report["params_before"], "params_after": report["params_after"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"conversion / plain forward: total {result['ratio_total']:.2f}x, calibrate+rank+resize "
+          f"{result['ratio_calibrate_rank_resize']:.2f}x (forward {forward[0]:.1f} / {forward[1]:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
