@@ -232,3 +232,25 @@ def test_importance_default_depends_on_the_path():
     chosen = ConvertOptions(importance="wanda_sp", low_memory=True)
     chosen.validate()
     assert chosen.importance == "wanda_sp"
+
+
+def test_obs_prune_matches_the_textbook_updates():
+    # the lazy G⁻¹ = H₀ − QQᵀ bookkeeping must choose and compensate exactly as updating G⁻¹ in place does
+    from tlm_convert.compensate import obs_prune
+
+    gen = torch.Generator().manual_seed(0)
+    acts = torch.randn(400, 60, generator=gen) * torch.rand(60, generator=gen) ** 2
+    gram, down = (acts.T @ acts).double(), torch.randn(9, 60, generator=gen)
+    hinv = torch.linalg.inv(gram + 1e-3 * gram.diagonal().mean() * torch.eye(60, dtype=torch.float64))
+    w, alive = down.double().clone(), torch.ones(60, dtype=torch.bool)
+    for _ in range(60 - 25):
+        cost = w.pow(2).sum(0) / hinv.diagonal()
+        cost[~alive] = float("inf")
+        j = int(torch.argmin(cost))
+        row = hinv[j] / hinv[j, j]
+        w -= w[:, j : j + 1] * row[None, :]
+        hinv -= hinv[:, j : j + 1] * row[None, :]
+        alive[j] = False
+    keep, compensated = obs_prune(gram, down, 25, damp=1e-3)
+    assert keep == alive.nonzero().flatten().tolist()
+    torch.testing.assert_close(compensated, w[:, alive].float(), atol=1e-5, rtol=1e-5)

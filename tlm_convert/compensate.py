@@ -58,7 +58,7 @@ def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 
     lam = damp * gram.diagonal().mean().clamp(min=1e-12)
     h0 = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64))  # (I, I)
     removals = n - width
-    q = torch.zeros(n, max(removals, 0), dtype=torch.float64)  # (I, removals)
+    q_t = torch.zeros(max(removals, 0), n, dtype=torch.float64)  # (removals, I): row s is q of removal s
     diag = h0.diagonal().clone()  # diag(G⁻¹) after the removals so far
     w = down.double().clone()  # (d, I)
     alive = torch.ones(n, dtype=torch.bool)
@@ -66,10 +66,10 @@ def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 
         cost = w.pow(2).sum(0) / diag.clamp(min=1e-30)  # (I,)
         cost[~alive] = float("inf")
         j = int(torch.argmin(cost))
-        col = h0[:, j] - q[:, :s] @ q[j, :s]  # (I,) column j of the current G⁻¹
-        w -= w[:, j : j + 1] * (col / col[j])[None, :]  # compensate every other column; column j becomes 0
-        q[:, s] = col / col[j].sqrt()
-        diag -= q[:, s].pow(2)
+        col = h0[j] - q_t[:s].T @ q_t[:s, j]  # (I,) column j of the current G⁻¹ (G⁻¹ is symmetric)
+        w.addr_(w[:, j].clone(), col, alpha=-1.0 / float(col[j]))  # compensate every other column; column j -> 0
+        q_t[s] = col / col[j].sqrt()
+        diag -= q_t[s].pow(2)
         alive[j] = False
     keep = alive.nonzero().flatten().tolist()
     return keep, w[:, alive].to(down.dtype).contiguous()
