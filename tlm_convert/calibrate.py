@@ -154,7 +154,7 @@ class _LayerStep:
             start = down.weight
             if source_hidden is not None:
                 with self.timer("calibrate"):
-                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, range(down.in_features), source_hidden)
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden)
                 with self.timer("rank"):
                     start = refit_kept(stats.gram, rhs, damp=self.damp)
             with self.timer("rank"):
@@ -195,15 +195,16 @@ def _weights(mlp, width=None) -> dict:
 
 
 def _kept_system(down, acts, mixed, keep, source_hidden=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64.
+    """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
+    all neurons, no copy of the activations).
 
     Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
     the source stream, h_src − z − b ("residual"). fp32 products per batch, accumulated in fp64."""
-    idx = torch.as_tensor(list(keep), dtype=torch.long, device=down.weight.device)
+    idx = None if keep is None else torch.as_tensor(keep, dtype=torch.long, device=down.weight.device)
     gram = rhs = 0
     for b, a in enumerate(acts):
         a = a.flatten(0, 1).float()  # (N_b, I)
-        a_k = a.index_select(1, idx)  # (N_b, K)
+        a_k = a if idx is None else a.index_select(1, idx)  # (N_b, K)
         if source_hidden is None:
             target = F.linear(a, down.weight.float())  # (N_b, d)
         else:

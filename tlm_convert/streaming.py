@@ -20,7 +20,8 @@ order of operations: ``neuron_scores``, ``plan_from_scores``, ``obs_prune``, ``r
 ``_feed_forward_reusing``, ``upcycle._split_mlp``; ``refit_target="residual"`` carries the source layers' residual
 stream alongside from the first shrinking layer on), so both paths write the same tensors up to floating-point
 rounding (the in-memory path forms the refit's system from the kept neurons only and skips the full-width MLP
-output of shrinking layers; this one keeps its frugal routes below; tests/test_streaming.py: max |Δ| <= 1e-5):
+output of shrinking layers; this one keeps its frugal routes below; tests/test_streaming.py: per tensor, max |Δ|
+<= 2e-4 of its largest entry, as the refit's solve amplifies fp32 summation-order differences):
 
 * tensors are read with plain file reads, not memory maps (a mapped checkpoint's pages count in the RSS);
 * a shrinking layer's statistics pass keeps its activations (as the in-memory path does);
