@@ -38,7 +38,7 @@ TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
     "--eval-tokens", "--export", "--grow-init", "--help", "--importance", "--low-memory", "--mixer",
     "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--refit", "--refit-target", "--schedule", "--seed",
-    "--seq-len",
+    "--seq-len", "--trust-remote-code",
 ]
 
 

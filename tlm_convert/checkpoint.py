@@ -64,6 +64,7 @@ class Source:
     (a folder, or (folder, gguf_file) to be passed as ``gguf_file=``), None when the source has no tokenizer.
     num_params: parameters of the model (tied tensors counted once). generation_config: the source's
     GenerationConfig when it has one. notes: what was adjusted while loading (for the CLI to print).
+    trust_remote_code: whether the tokenizer may run the folder's own code (the user's --trust-remote-code).
     """
 
     kind: str
@@ -76,6 +77,7 @@ class Source:
     num_params: int
     generation_config: object | None = None
     notes: list[str] = field(default_factory=list)
+    trust_remote_code: bool = False
 
     @property
     def model_type(self) -> str:
@@ -86,9 +88,10 @@ class Source:
         """(path, kwargs) for ``AutoTokenizer.from_pretrained(path, **kwargs)``, None without a tokenizer."""
         if self.tokenizer_source is None:
             return None
+        trust = {"trust_remote_code": self.trust_remote_code}
         if isinstance(self.tokenizer_source, tuple):
-            return self.tokenizer_source[0], {"gguf_file": self.tokenizer_source[1]}
-        return self.tokenizer_source, {}
+            return self.tokenizer_source[0], {"gguf_file": self.tokenizer_source[1], **trust}
+        return self.tokenizer_source, trust
 
 
 # ================================================================================================ lazy reading
@@ -318,9 +321,17 @@ def resolve_builtin(source: str) -> str:
     return str(Path(spec.origin).parent / filename)
 
 
-def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.float32) -> Source:
-    """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc)."""
-    dtype = _as_dtype(dtype)
+def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
+                trust_remote_code: bool = False) -> Source:
+    """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc).
+    ``trust_remote_code`` lets the tokenizer run the source's own code (never the model: only known architectures
+    are read)."""
+    src = _load_source(source, _as_dtype(dtype))
+    src.trust_remote_code = trust_remote_code
+    return src
+
+
+def _load_source(source: str | os.PathLike, dtype: torch.dtype) -> Source:
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
@@ -425,7 +436,7 @@ def read_hf_config(path: Path, raw: dict):
     from transformers import AutoConfig
 
     try:
-        hf_config = AutoConfig.from_pretrained(str(path))
+        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:
         raise ConversionError(f"config.json in '{path}' cannot be read by transformers ({one_line(err)}); fix or "
                               "re-download it") from None
@@ -618,7 +629,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 
     folder, name = str(file.parent), file.name
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     except ImportError:
         raise ConversionError("reading .gguf files needs the gguf package; pip install 'gguf>=0.10' "
                               "(or tapered-lm[gguf])") from None
@@ -639,7 +650,8 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
         return _from_hf("gguf", file, hf_config, tensors, tokenizer_source=(folder, name),
                         generation_config=GenerationConfig.from_model_config(hf_config))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     trust_remote_code=False)
     except Exception as err:
         raise ConversionError(f"transformers cannot load the weights of '{file}' ({one_line(err)}); re-download "
                               "it or convert the original safetensors folder") from None

@@ -182,7 +182,9 @@ def _return_freed_memory() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (atomically; never an input).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let the source's tokenizer run its own Python code (auto_map); only for sources you trust.")
 def convert_main(input_model, output, export_format, **kwargs):
     """Convert a uniform checkpoint INPUT_MODEL into a tapered TLM with exactly the same parameter count.
 
@@ -267,7 +269,8 @@ def tlm_main():
 @click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
 @click.option("--max-tokens", type=int, default=16384, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
-def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
+@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
+def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size, trust_remote_code):
     """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as JSON."""
     try:
         import torch
@@ -287,7 +290,7 @@ def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
         if seq_len < 2 or stride > seq_len:
             raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
                                   "stride <= seq-len")
-        src = load_source(resolve_builtin(model_path))
+        src = load_source(resolve_builtin(model_path), trust_remote_code=trust_remote_code)
         model, tokenizer = _build_model(src, ConvertOptions())
         ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
         if len(ids) < 2:
@@ -308,7 +311,8 @@ def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("-o", "--output", default=None,
               help="Folder for alignment.json and alignment.png (default: print the JSON only).")
-def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output):
+@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
+def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, trust_remote_code):
     """Residual alignment rho_MLP per layer of MODEL_PATH (cosine of each MLP's output with the residual stream,
     against the block input h_l and the post-mixer stream z_l) and its Pearson r with depth, as JSON."""
     try:
@@ -327,7 +331,7 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output):
         if output is not None and Path(output).exists() and not Path(output).is_dir():
             raise ConversionError(f"option -o {output}: exists and is not a folder")
         t0 = time.perf_counter()
-        src = load_source(resolve_builtin(model_path))
+        src = load_source(resolve_builtin(model_path), trust_remote_code=trust_remote_code)
         model, tokenizer = _build_model(src, ConvertOptions())
         blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
         load_s = time.perf_counter() - t0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import shutil
 import tempfile
@@ -30,6 +29,8 @@ from .data import load_text, token_blocks
 from .errors import ConversionError
 from .export import FORMATS, export_model
 from .importance import METRICS
+from .remote_code import auto_tokenizer
+from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
 from .surgery import GROW_INITS
 from .upcycle import upcycle
 
@@ -61,6 +62,7 @@ class ConvertOptions:
     batch_size: int = 8
     low_memory: bool = False
     overwrite: bool = False
+    trust_remote_code: bool = False  # run Python code shipped with the source (tokenizer/config auto_map)
 
     def validate(self) -> None:
         """Fail fast, before anything is loaded; one line per problem. Fills in the defaults that depend on other
@@ -122,22 +124,29 @@ class PhaseTimer:
 
 def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
             on_layer=None) -> dict:
-    """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json)."""
+    """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
+
+    OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
+    the whole run (a second run into it is refused); folders left by killed runs are cleaned (tlm_convert.outputs).
+    """
     opts = options or ConvertOptions()
     opts.validate()
     out = Path(output)
-    if out.exists() and not opts.overwrite:
-        raise ConversionError(f"output {out} already exists; pass --overwrite or choose another -o")
-    if Path(source).resolve() == out.resolve():
-        raise ConversionError("output must differ from the input; the input is never modified")
-    if opts.low_memory:
-        from .streaming import convert_streaming
+    check_output_path(source, out, opts.overwrite)
+    with OutputLock(out):
+        clean_stale(out)
+        if opts.low_memory:
+            from .streaming import convert_streaming
 
-        return convert_streaming(source, out, opts, on_phase=on_phase, on_layer=on_layer)
+            return convert_streaming(source, out, opts, on_phase=on_phase, on_layer=on_layer)
+        return _convert(source, out, opts, on_phase, on_layer)
+
+
+def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -> dict:
     timer = PhaseTimer(on_phase)
     torch.manual_seed(opts.seed)
     with timer("load"):
-        src = load_source(source, dtype=torch.float32)
+        src = load_source(source, dtype=torch.float32, trust_remote_code=opts.trust_remote_code)
         if "hope_attention" in src.tlm_config.mixer:
             raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and "
                                   "cannot be resized; convert the attention checkpoint it came from instead")
@@ -146,6 +155,8 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
         widths = plan_widths(src.tlm_config, opts)
         calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = _eval_blocks(tokenizer, opts)
+    need = output_bytes(src.num_params, opts.dtype)
+    check_free_space(out.parent, need)  # before the calibration, not after it
     report = _report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes)
     if evalb is not None:
@@ -166,18 +177,16 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
             report["perplexity_after"] = perplexity(final, evalb, opts.batch_size)
             report["perplexity_ratio"] = report["perplexity_after"] / report["perplexity_before"]
     report["importance_profile"] = [float(s.mean()) for s in result.scores]
-    with timer("save"):
+    with timer("save"), save_errors(out, need):
         _write_output(final, out, src, opts, report, timer)
     return report
 
 
 def _build_model(src, opts):
-    from transformers import AutoTokenizer
-
     if src.tokenizer_source is None:
         raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
     path, kwargs = src.tokenizer_kwargs()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer = auto_tokenizer(path, **kwargs)
     model = materialize(src.tlm_config, src.state_dict)
     return model.to(opts.device).eval(), tokenizer
 
@@ -292,16 +301,6 @@ def _write_output(model, out: Path, src, opts, report, timer) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Move a finished temporary output folder onto ``out`` (replacing it), with the usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def peak_rss_mb() -> float:

@@ -546,14 +546,14 @@ def _copy_tokenizer(source: Source | None, out: Path) -> None:
         return
     path, kwargs = source.tokenizer_kwargs()
     try:
-        from transformers import AutoTokenizer
+        from .remote_code import auto_tokenizer
 
-        AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(str(out))
+        auto_tokenizer(path, **kwargs).save_pretrained(str(out))
         return
     except Exception as err:
         problem = one_line(err)
     copied = []
-    if not kwargs and Path(path).is_dir():
+    if "gguf_file" not in kwargs and Path(path).is_dir():
         for name in _TOKENIZER_FILES:
             file = Path(path) / name
             if file.is_file():

@@ -87,7 +87,9 @@ from .archs import (
 )
 from .checkpoint import read_hf_config, weight_files
 from .compensate import obs_prune, refit_kept
-from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths, publish
+from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths
+from .outputs import check_free_space, output_bytes, publish, save_error
+from .remote_code import auto_tokenizer
 from .data import load_text, token_blocks
 from .errors import ConversionError, one_line
 from .importance import ActivationStats, neuron_scores
@@ -138,14 +140,15 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
                                   "cannot be resized; convert the attention checkpoint it came from instead")
         widths = plan_widths(src.tlm_config, opts)
         final_config = _final_config(src.tlm_config, widths, opts.mixer)
-        tokenizer = _load_tokenizer(src)
+        tokenizer = _load_tokenizer(src, opts.trust_remote_code)
         calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = _eval_blocks(tokenizer, opts)
     report = _report_head(SimpleNamespace(path=src.path, kind=src.kind, family=src.family,
                                           tlm_config=src.tlm_config), opts, widths, calib)
     report["notes"] = list(src.notes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk_space(out.parent, src.num_params, opts.dtype)
+    need = output_bytes(src.num_params, opts.dtype)
+    check_free_space(out.parent, need)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         run = _Run(src, final_config, widths, opts, tmp, calib, evalb, timer, quiet, on_layer)
@@ -163,8 +166,11 @@ def convert_streaming(source, out: Path, opts, on_phase=None, on_layer=None) -> 
         with timer("save"):
             _write_reports(tmp, report, timer)
         publish(tmp, out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        problem = save_error(err, out, need) if not isinstance(err, ConversionError) else None
+        if problem is not None:
+            raise problem from None
         raise
     return report
 
@@ -489,12 +495,10 @@ def _check_shapes(config: TLMConfig, shapes: dict, path) -> None:
                               "re-download the checkpoint or fix config.json")
 
 
-def _load_tokenizer(src: StreamSource):
+def _load_tokenizer(src: StreamSource, trust_remote_code: bool = False):
     if src.tokenizer_path is None:
         raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(src.tokenizer_path)
+    return auto_tokenizer(src.tokenizer_path, trust_remote_code=trust_remote_code)
 
 
 def _final_config(config: TLMConfig, widths: list[int], mixer: str) -> TLMConfig:
@@ -513,14 +517,6 @@ def _final_config(config: TLMConfig, widths: list[int], mixer: str) -> TLMConfig
     if mixer == "hope_attention":
         new.hope_topology, new.hope_inner_lr = "sum", 0.0
     return new
-
-
-def _check_disk_space(folder: Path, num_params: int, dtype: str) -> None:
-    need = num_params * torch.empty(0, dtype=_DTYPES[dtype]).element_size() + (64 << 20)
-    free = shutil.disk_usage(folder).free
-    if need > free:
-        raise ConversionError(f"not enough disk space in '{folder}': the output needs about {need / 2**30:.1f} GiB, "
-                              f"{free / 2**30:.1f} GiB are free; free some space or choose another -o")
 
 
 # ============================================================================================== the streamed run

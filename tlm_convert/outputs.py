@@ -1,0 +1,326 @@
+"""Safe outputs: path checks before any work, a lock per output, atomic replacement, clear save errors.
+
+Every folder a run writes (``tlm-convert``'s OUTPUT, ``tlm train``'s checkpoints and final model) goes through
+here:
+
+* :func:`check_output_path` refuses, before anything is loaded, an OUTPUT that is the input, contains it (an
+  ``--overwrite`` would delete it) or lies inside it (the input is never modified), and an OUTPUT whose parent cannot
+  be created or written.
+* :class:`OutputLock` holds ``.NAME.lock`` beside OUTPUT with ``flock`` for the life of the run: a second run into
+  the same OUTPUT refuses with one line naming the holder (pid, host, start time). The kernel drops the lock when
+  its process dies, however it dies, so a stale lock file never blocks.
+* :func:`clean_stale` runs under the lock: any ``.NAME.tmp-*`` / ``.NAME.old-*`` folder then belongs to a dead run
+  (a live one would hold the lock), so it is removed -- or, when a kill left no OUTPUT but an ``.old-*`` folder,
+  that complete previous output is put back.
+* :func:`publish` replaces OUTPUT by a finished temporary folder so that the path shows the complete old or the
+  complete new output at every instant (one ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere old aside, new in,
+  with :func:`clean_stale` restoring the old one if a kill falls between the two renames), then deletes the old.
+* :func:`save_errors` turns a full disk or any other OSError of the save phase into one line: what, where, how
+  much was needed.
+
+Library code raises :class:`~tlm_convert.errors.ConversionError`; the command line prints it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import ConversionError
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SPACE_MARGIN = 64 << 20  # config, tokenizer, reports, plot and file-system slack on top of the weights
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_FULL_TEXTS = ("no space left", "os error 28", "disk quota exceeded", "os error 122")
+
+
+# ============================================================================================== path checks
+
+
+def check_output_path(source: str | os.PathLike | None, output: str | os.PathLike, overwrite: bool,
+                      option: str = "-o") -> None:
+    """Refuse an OUTPUT that would touch the input or cannot be written, before any work is done.
+
+    ``source`` is compared only when it is a local path (a hub id is not); symlinks are resolved on both sides.
+    """
+    out = Path(output).expanduser().absolute()
+    target = out.resolve()
+    if source is not None and Path(source).expanduser().exists():
+        src = Path(source).expanduser().resolve()
+        if target == src:
+            raise ConversionError("output must differ from the input; the input is never modified")
+        if target in src.parents:
+            raise ConversionError(f"output {output} contains the input {source} (replacing it would delete the "
+                                  f"input); choose an {option} outside the input's folders")
+        if src in target.parents:
+            raise ConversionError(f"output {output} lies inside the input {source}, which is never modified; choose "
+                                  f"an {option} outside it")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise ConversionError(f"output {output} already exists; pass --overwrite or choose another {option}")
+        if not target.is_dir():
+            raise ConversionError(f"output {output} exists and is not a folder; remove it or choose another {option}")
+    check_writable_parent(out, option)
+
+
+def check_writable_parent(out: Path, option: str = "-o") -> Path:
+    """The nearest existing ancestor of ``out``'s parent, checked to be a writable folder; returned."""
+    ancestor = existing_ancestor(out.parent)
+    if not ancestor.is_dir():
+        raise ConversionError(f"cannot create {out}: '{ancestor}' is a file, not a folder; choose another {option}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConversionError(f"cannot create {out}: '{ancestor}' is not writable (permission denied); choose "
+                              f"another {option}")
+    return ancestor
+
+
+def existing_ancestor(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+# ============================================================================================== disk space
+
+
+def output_bytes(num_params: int, dtype: str) -> int:
+    """Estimated size of a saved model: its weights in ``dtype`` plus a fixed margin for the other files."""
+    return num_params * DTYPE_BYTES[dtype] + SPACE_MARGIN
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - unreachable
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(existing_ancestor(folder)).free
+
+
+def check_free_space(folder: Path, need: int, option: str = "-o") -> None:
+    """Refuse when the file system of ``folder`` has less than ``need`` bytes free."""
+    free = free_bytes(folder)
+    if need > free:
+        raise ConversionError(f"not enough disk space in '{existing_ancestor(folder)}': the output needs about "
+                              f"{human_bytes(need)}, {human_bytes(free)} are free; free some space or choose another "
+                              f"{option}")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """True for a full disk or quota, also when a library (safetensors, torch) re-raised it as its own error."""
+    if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
+        return True
+    return any(text in str(err).lower() for text in _FULL_TEXTS)
+
+
+@contextmanager
+def save_errors(out: Path, need: int | None = None, option: str = "-o"):
+    """Turn a full disk, or an OSError while writing next to ``out``, into one ConversionError line."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except Exception as err:
+        problem = save_error(err, Path(out), need, option)
+        if problem is None:
+            raise
+        raise problem from None
+
+
+def save_error(err: BaseException, out: Path, need: int | None, option: str = "-o") -> ConversionError | None:
+    """The one-line error for ``err`` raised while writing ``out``; None when it is not a write problem."""
+    where = existing_ancestor(out.parent)
+    if is_disk_full(err):
+        try:
+            free = f"{human_bytes(free_bytes(where))} free"
+        except OSError:
+            free = "free space unknown"
+        needed = f"about {human_bytes(need)} needed" if need else "space needed unknown"
+        return ConversionError(f"disk full while writing {out} ({needed}, {free} in '{where}'); nothing was "
+                               f"published: free some space or choose another {option}")
+    if isinstance(err, OSError) and (err.filename is None or _is_under(err.filename, out.parent)):
+        name = err.filename or out
+        reason = err.strerror or str(err)
+        return ConversionError(f"cannot write {name}: {reason}; nothing was published: check '{where}' "
+                               f"(permissions, space) or choose another {option}")
+    return None
+
+
+def _is_under(path, folder: Path) -> bool:
+    try:
+        return Path(os.fsdecode(path)).absolute().is_relative_to(Path(folder).absolute())
+    except (TypeError, ValueError):
+        return False
+
+
+# ============================================================================================== lock
+
+
+class OutputLock:
+    """An exclusive lock on an output path, held by this process until :meth:`release` (or its death).
+
+    The lock is ``flock`` on ``.NAME.lock`` beside the output; the file says who holds it (pid, host, start time,
+    command) for the refusal message. ``with OutputLock(path):`` acquires and releases.
+    """
+
+    def __init__(self, target: str | os.PathLike, option: str = "-o"):
+        self.target = Path(target).expanduser().absolute()
+        self.path = self.target.parent / f".{self.target.name}.lock"
+        self.option = option
+        self.fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise ConversionError(f"{self.target} is being written by another run ({holder}; lock "
+                                      f"{self.path}); wait for it to finish or choose another {self.option}") from None
+            try:  # a holder that was releasing may have unlinked the file we opened: lock the current one
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                 "command": " ".join(sys.argv)[:300]}).encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(info["since"])))
+        return f"pid {info['pid']} on {info['host']} since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+# ============================================================================================== replace
+
+
+def temp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+def old_prefix(out: Path) -> str:
+    return f".{out.name}.old-"
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove the temporary and set-aside folders of dead runs into ``out``; call with ``out``'s lock held.
+
+    A ``.NAME.old-*`` folder with no ``out`` beside it is the complete previous output of a run killed between its
+    two renames: it is put back. Returns what was removed or restored."""
+    out = Path(out).absolute()
+    if not out.parent.is_dir():
+        return []
+    found = []
+    for entry in sorted(out.parent.iterdir()):
+        if entry.name.startswith(old_prefix(out)) and not os.path.lexists(out):
+            os.rename(entry, out)
+            logger.warning("restored %s from %s (a run was killed while replacing it)", out, entry.name)
+        elif entry.name.startswith((temp_prefix(out), old_prefix(out))):
+            _remove(entry)
+        else:
+            continue
+        found.append(entry)
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move a finished temporary folder onto ``out``, replacing it atomically, with the usual permissions.
+
+    ``tmp`` must be a sibling of ``out`` (same file system). The old output is deleted only after the new one is in
+    place."""
+    tmp, out = Path(tmp), Path(out)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    if exchange(tmp, out):  # out is the new folder now, tmp the old one
+        _remove(tmp)
+        return
+    old = out.parent / f"{old_prefix(out)}{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    _remove(old)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where that is unsupported."""
+    if not sys.platform.startswith("linux") or os.environ.get("TLM_NO_RENAME_EXCHANGE"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+__all__ = ["OutputLock", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale",
+           "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
+           "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]
