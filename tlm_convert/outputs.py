@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -253,17 +254,31 @@ def clean_stale(out: Path) -> list[Path]:
     A ``.NAME.old-*`` folder with no ``out`` beside it is the complete previous output of a run killed between its
     two renames: it is put back. Returns what was removed or restored."""
     out = Path(out).absolute()
-    if not out.parent.is_dir():
+    return _clean(out.parent, {out.name})
+
+
+def clean_stale_in(folder: Path) -> list[Path]:
+    """:func:`clean_stale` for every output inside ``folder`` (a training output_dir, whose lock is held)."""
+    return _clean(Path(folder).absolute(), None)
+
+
+_STALE = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|old)(-[^/]*)?$")
+
+
+def _clean(folder: Path, targets: set[str] | None) -> list[Path]:
+    if not folder.is_dir():
         return []
     found = []
-    for entry in sorted(out.parent.iterdir()):
-        if entry.name.startswith(old_prefix(out)) and not os.path.lexists(out):
+    for entry in sorted(folder.iterdir()):
+        match = _STALE.match(entry.name)
+        if match is None or (targets is not None and match["target"] not in targets):
+            continue
+        out = folder / match["target"]
+        if match["kind"] == "old" and not os.path.lexists(out):
             os.rename(entry, out)
             logger.warning("restored %s from %s (a run was killed while replacing it)", out, entry.name)
-        elif entry.name.startswith((temp_prefix(out), old_prefix(out))):
-            _remove(entry)
         else:
-            continue
+            _remove(entry)
         found.append(entry)
     return found
 
@@ -321,6 +336,6 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale",
+__all__ = ["OutputLock", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

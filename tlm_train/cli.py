@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 
 import click
 
 from tlm_convert.cli import _Command, _fail, _quiet_libraries, _report_failure, tlm_main
+
+
+STOPPED_EXIT = {"SIGTERM": 143, "STOP": 143, "SIGINT": 130}  # 128 + signal number; the STOP file counts as SIGTERM
 
 
 @tlm_main.command("train", cls=_Command)
@@ -16,18 +21,24 @@ from tlm_convert.cli import _Command, _fail, _quiet_libraries, _report_failure, 
 @click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None, metavar="[CHECKPOINT]",
               help="Continue from the latest checkpoint in output_dir (or from the given checkpoint folder).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics.jsonl is written either way).")
-def train_command(recipe_path, overrides, resume, no_progress):
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let tokenizers run their folder's own Python code (auto_map); only for sources you trust.")
+def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code):
     """Train a TLM from RECIPE.yaml: from scratch (model:) or continued from a checkpoint (init_from:).
 
     Runs the same under torchrun (DDP, or FSDP with train.parallel=fsdp): torchrun --nproc_per_node N -m
     tlm_train train RECIPE.yaml
+
+    Exit status: 0 finished; 1 error; 143 stopped by SIGTERM or the STOP file, 130 by SIGINT (a checkpoint was
+    written: continue with the printed --resume command).
     """
     try:
         from .recipe import load_recipe
         from .trainer import TrainError, train
 
         _quiet_libraries()
-        recipe = load_recipe(recipe_path, list(overrides))
+        overrides = list(overrides) + (["trust_remote_code=true"] if trust_remote_code else [])
+        recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
     except TrainError as err:
@@ -39,9 +50,10 @@ def train_command(recipe_path, overrides, resume, no_progress):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if result.stopped:
-        click.echo(f"stopped at step {result.steps}; checkpoint written to {result.output_dir} "
-                   f"(continue with: tlm train {recipe_path} --resume)")
-        return
+        again = ["tlm", "train", recipe_path, *[x for o in overrides for x in ("--set", o)], "--resume"]
+        click.echo(f"stopped ({result.stop_reason}) at step {result.steps}; checkpoint written to "
+                   f"{result.output_dir} (continue with: {shlex.join(again)})")
+        sys.exit(STOPPED_EXIT.get(result.stop_reason, 143))
     summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps": result.steps,
                "tokens": result.tokens, "eval_loss": result.eval_loss, "seconds": round(result.seconds, 2)}
     click.echo(json.dumps(summary))

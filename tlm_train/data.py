@@ -56,12 +56,12 @@ def _byte_chars() -> dict[int, str]:
     return out
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, trust_remote_code: bool = False):
     if name == BYTE_TOKENIZER:
         return byte_tokenizer()
-    from transformers import AutoTokenizer
+    from tlm_convert.remote_code import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    return auto_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _data_identity(source: str) -> dict:

@@ -103,6 +103,7 @@ class Recipe:
     train: TrainSpec = field(default_factory=TrainSpec)
     log: LogSpec = field(default_factory=LogSpec)
     distill: DistillSpec | None = None
+    trust_remote_code: bool = False  # let tokenizers run their folder's own code (auto_map); trusted sources only
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -243,6 +244,32 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
     return value
 
 
+_SET_BY_MODEL = {"schedule": "model.schedule", "taper_ratio": "model.ratio", "multiple_of": "model.multiple_of"}
+
+
+def _model_config_problems(config: dict) -> list[str]:
+    """``model.config`` keys that TLMConfig does not take (a typo would otherwise land in config.json unused)."""
+    import difflib
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    from tlm import TLMConfig
+
+    known = {name for cls in (TLMConfig, PretrainedConfig)
+             for name, p in inspect.signature(cls.__init__).parameters.items()
+             if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    errors = []
+    for key in config:
+        if key in _SET_BY_MODEL:
+            errors.append(f"model.config.{key}: set {_SET_BY_MODEL[key]} instead")
+        elif key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else " (not a TLMConfig field)"
+            errors.append(f"model.config.{key}: unknown key{hint}")
+    return errors
+
+
 def _check_semantics(r: Recipe) -> list[str]:
     """Value checks beyond types (ranges, exclusive options)."""
     errors = []
@@ -251,6 +278,8 @@ def _check_semantics(r: Recipe) -> list[str]:
                       "checkpoint to continue)")
     if r.model is not None and r.tokenizer is None:
         errors.append("tokenizer: required with model (from scratch): 'byte' or a tokenizer folder")
+    if r.model is not None:
+        errors += _model_config_problems(r.model.config)
     positive = {"data.seq_len": r.data.seq_len, "data.eval_tokens": r.data.eval_tokens,
                 "train.max_steps": r.train.max_steps, "train.batch_size": r.train.batch_size,
                 "train.grad_accum": r.train.grad_accum, "log.every": r.log.every, "log.save_every": r.log.save_every,

@@ -11,15 +11,19 @@ Output folder::
     output_dir/
       recipe.yaml                 the resolved recipe of the latest (re)start
       metrics.jsonl               one JSON line per logged step / evaluation (rank 0)
-      checkpoint-<step>/          model (safetensors, loads like any TLM) + optimizer.pt, scheduler.pt,
-                                  rng_state_<rank>.pt, trainer_state.json, recipe.yaml; written atomically
+      checkpoint-<step>/          model (safetensors, loads like any TLM) + optimizer, scheduler and
+                                  rng_state_<rank> (.json + .safetensors, no pickle: tlm_train.state_io),
+                                  trainer_state.json, recipe.yaml, manifest.json (sizes, SHA-256); written
+                                  atomically
       final/                      the trained model (TLM, remote code included) and its tokenizer
       run_summary.json            steps, tokens, final held-out loss, wall seconds of every invocation
 
 Resuming (``resume=True``: the latest checkpoint, or a path) restores model, optimizer, scheduler, every rank's
 RNG and the data position, so the loss curve continues exactly as an uninterrupted run's. A checkpoint from a
-different model or batch layout is refused. SIGINT / SIGTERM, or a file named ``STOP`` in output_dir, end the run
-at the next step boundary with a checkpoint.
+different model or batch layout is refused; ``resume=True`` skips, with a warning, checkpoints that do not match
+their manifest (a kill or full disk while saving) and takes the newest complete one. SIGINT / SIGTERM, or a file
+named ``STOP`` in output_dir, end the run at the next step boundary with a checkpoint. output_dir is locked for
+the run (tlm_convert.outputs.OutputLock): a second run into it is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import random
 import shutil
 import signal
 import time
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tlm_convert.errors import ConversionError
+from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
+
+from . import state_io
 from .data import BatchOrder, load_tokenizer, to_blocks, tokenize_cached
 from .recipe import Recipe, RecipeError
 
@@ -63,6 +72,7 @@ class TrainResult:
     eval_loss: float | None  # held-out loss at the end (None when stopped early)
     losses: list[float] = field(default_factory=list)  # training loss of each step run by this invocation
     stopped: bool = False  # ended by a signal or the STOP file (a checkpoint was written)
+    stop_reason: str | None = None  # "SIGINT", "SIGTERM" or "STOP" (the file) when stopped
 
 
 # ============================================================================================== setup
@@ -132,7 +142,7 @@ def build_model_and_tokenizer(recipe: Recipe):
     from tlm import TLMConfig, TLMForCausalLM
 
     if recipe.model is not None:
-        tokenizer = load_tokenizer(recipe.tokenizer)
+        tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
         kwargs = dict(recipe.model.config)
         kwargs.setdefault("vocab_size", len(tokenizer))
         if kwargs["vocab_size"] < len(tokenizer):
@@ -147,31 +157,33 @@ def build_model_and_tokenizer(recipe: Recipe):
             raise RecipeError(f"model.config: {err}") from None
         torch.manual_seed(recipe.seed)
         return TLMForCausalLM(config), tokenizer
-    return load_pretrained(recipe.init_from, recipe.tokenizer)
+    return load_pretrained(recipe.init_from, recipe.tokenizer, trust_remote_code=recipe.trust_remote_code)
 
 
-def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True):
+def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True,
+                    trust_remote_code: bool = False):
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
-    (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false)."""
+    (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
+    runs the folder's own code only with ``trust_remote_code``."""
     from tlm_convert.checkpoint import load_source, resolve_builtin
     from tlm_convert.convert import materialize
     from tlm_convert.errors import ConversionError
 
     try:
-        src = load_source(resolve_builtin(path))
+        src = load_source(resolve_builtin(path), trust_remote_code=trust_remote_code)
     except ConversionError as err:
         raise TrainError(str(err)) from None
     model = materialize(src.tlm_config, src.state_dict)
     if not with_tokenizer:
         return model, None
     if tokenizer_name is not None:
-        return model, load_tokenizer(tokenizer_name)
+        return model, load_tokenizer(tokenizer_name, trust_remote_code)
     kwargs = src.tokenizer_kwargs()
     if kwargs is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    from transformers import AutoTokenizer
+    from tlm_convert.remote_code import auto_tokenizer
 
-    return model, AutoTokenizer.from_pretrained(kwargs[0], **kwargs[1])
+    return model, auto_tokenizer(kwargs[0], **kwargs[1])
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -303,11 +315,15 @@ class _Run:
         if resume is True:
             if not existing:
                 raise TrainError(f"--resume: no checkpoint-<step> folder in {self.out}; run without --resume to start")
-            return existing[-1]
+            return _newest_complete(existing)
         path = Path(resume)
         if not (path / "trainer_state.json").is_file():
             raise TrainError(f"--resume {path}: not a checkpoint folder (no trainer_state.json); pass a "
                              f"{CHECKPOINT_PREFIX}<step> folder or --resume alone for the latest")
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise TrainError(f"--resume {path}: the checkpoint is incomplete or damaged ({problem}); resume from an "
+                             f"earlier {CHECKPOINT_PREFIX}<step> folder, or --resume alone for the newest complete one")
         return path
 
     def setup(self) -> None:
@@ -385,7 +401,14 @@ class _Run:
         self.tokens_per_step = global_batch * r.data.seq_len
 
     def _load_checkpoint(self, path: Path) -> None:
-        state = json.loads((path / "trainer_state.json").read_text())
+        try:
+            self._restore(path)
+        except state_io.StateError as err:
+            raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
+                             "folder") from None
+
+    def _restore(self, path: Path) -> None:
+        state = _read_trainer_state(path)
         theirs, ours = state.get("fingerprint", {}), self.fingerprint
         for key in ("parameters", "global_batch", "seq_len", "train_data", "seed", "skip_batches"):
             if theirs.get(key) != ours[key]:
@@ -393,11 +416,7 @@ class _Run:
                 raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "
                                  f"{_brief(theirs.get(key))} vs {_brief(ours[key])}); resume with the recipe it was "
                                  "written with (its recipe.yaml) or start a new output_dir")
-        from safetensors.torch import load_file
-
-        weights = {}
-        for file in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(file)))
+        weights = _read_weights(path)
         core = _unwrap(self.model)
         if self.recipe.train.parallel == "fsdp" and self.d.world > 1:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
@@ -405,40 +424,47 @@ class _Run:
 
             opts = StateDictOptions(full_state_dict=True, strict=False)
             set_model_state_dict(self.model, weights, options=opts)
-            set_optimizer_state_dict(self.model, self.optimizer, torch.load(path / "optimizer.pt", weights_only=False),
-                                     options=opts)
+            set_optimizer_state_dict(self.model, self.optimizer, state_io.load_state(path, "optimizer"), options=opts)
         else:
             missing, unexpected = core.load_state_dict(weights, strict=False)
             missing = [k for k in missing if not (core.config.tie_word_embeddings and k == "lm_head.weight")]
             if missing or unexpected:
                 raise TrainError(f"checkpoint {path} weights do not match the model (missing {missing[:2]}, "
                                  f"unexpected {unexpected[:2]}); start a new output_dir")
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.d.device,
-                                                      weights_only=False))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        rng = path / f"rng_state_{self.d.rank}.pt"
-        if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            self.optimizer.load_state_dict(state_io.load_state(path, "optimizer", map_location=self.d.device))
+        self.scheduler.load_state_dict(state_io.load_state(path, "scheduler"))
+        rng = f"rng_state_{self.d.rank}"
+        if (path / f"{rng}.json").is_file() or (path / f"{rng}.pt").is_file():
+            _set_rng_state(state_io.load_state(path, rng))
         self.step = int(state["step"])
         logger.info("resumed from %s at step %d", path, self.step)
 
     # ---------------------------------------------------------------------------------------------- saving
 
     def save_checkpoint(self) -> Path:
+        """checkpoint-<step>: written into a temporary folder, checksummed (manifest.json), then swapped in."""
+        with save_errors(self.out / f"{CHECKPOINT_PREFIX}{self.step}", self._checkpoint_bytes(), "output_dir"):
+            return self._save_checkpoint()
+
+    def _checkpoint_bytes(self) -> int:
+        """About what a checkpoint takes on disk: the fp32 weights and AdamW's two moments."""
+        return sum(p.numel() for p in self.model.parameters()) * 4 * 3
+
+    def _save_checkpoint(self) -> Path:
         r, d = self.recipe, self.d
         final = self.out / f"{CHECKPOINT_PREFIX}{self.step}"
-        tmp = self.out / f".{final.name}.tmp"
+        tmp = self.out / f".{final.name}.tmp-train"
         weights = _full_state_dict(self.model, r.train.parallel)
         optim = _optim_state(self.model, self.optimizer, r.train.parallel)
         if d.main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         d.barrier()
-        torch.save(_rng_state(), tmp / f"rng_state_{d.rank}.pt")
+        state_io.save_state(tmp, f"rng_state_{d.rank}", _rng_state())
         if d.main:
             self._write_model(tmp, weights)
-            torch.save(optim, tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            state_io.save_state(tmp, "optimizer", optim)
+            state_io.save_state(tmp, "scheduler", self.scheduler.state_dict())
             r.save(tmp / "recipe.yaml")
             state = {"step": self.step, "tokens": self.step * self.tokens_per_step,
                      "samples": self.step * self.order.global_batch, "world_size": d.world,
@@ -446,9 +472,8 @@ class _Run:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         d.barrier()
         if d.main:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            state_io.write_manifest(tmp)  # last: a folder without it (or not matching it) is incomplete
+            publish(tmp, final)
             for old in list_checkpoints(self.out)[: -r.log.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
             logger.info("saved %s", final)
@@ -466,16 +491,19 @@ class _Run:
         self.tokenizer.save_pretrained(str(folder))
 
     def save_final(self) -> Path:
+        with save_errors(self.out / "final", self._checkpoint_bytes() // 3, "output_dir"):
+            return self._save_final()
+
+    def _save_final(self) -> Path:
         weights = _full_state_dict(self.model, self.recipe.train.parallel)
         final = self.out / "final"
         if self.d.main:
-            tmp = self.out / ".final.tmp"
+            tmp = self.out / ".final.tmp-train"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             self._write_model(tmp, weights)
             self.recipe.save(tmp / "recipe.yaml")
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            publish(tmp, final)
         self.d.barrier()
         return final
 
@@ -561,7 +589,7 @@ class _Run:
         return total / count
 
     def _on_signal(self, signum, frame) -> None:
-        self.stop_requested = True
+        self.stop_requested = signal.Signals(signum).name
 
     def run(self) -> TrainResult:
         r, d = self.recipe, self.d
@@ -581,7 +609,7 @@ class _Run:
         window_tokens, window_start = 0, time.perf_counter()
         try:
             while self.step < r.train.max_steps:
-                if d.any(self.stop_requested or (self.out / STOP_FILE).exists()):
+                if d.any(bool(self.stop_requested) or (self.out / STOP_FILE).exists()):
                     stopped = True
                     break
                 lr = self.scheduler.get_last_lr()[0]
@@ -618,8 +646,9 @@ class _Run:
             if self.tb is not None:
                 self.tb.close()
         final = None if stopped else self.save_final()
+        reason = (self.stop_requested or "STOP") if stopped else None
         result = TrainResult(self.out, final, self.step, self.step * self.tokens_per_step,
-                             time.perf_counter() - start_wall, eval_loss, losses, stopped)
+                             time.perf_counter() - start_wall, eval_loss, losses, stopped, reason)
         if d.main:
             self._write_summary(result)
         return result
@@ -640,6 +669,51 @@ class _Run:
         return loss
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """None when checkpoint ``path`` is complete and intact, else what is wrong with which file."""
+    return state_io.check(path, required=("trainer_state.json", "optimizer.pt", "scheduler.pt"))
+
+
+def _newest_complete(checkpoints: list[Path]) -> Path:
+    """The newest checkpoint that passes :func:`checkpoint_problem`; a warning names each newer one skipped."""
+    skipped = []
+    for path in reversed(checkpoints):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, why in skipped:
+                warnings.warn(f"{bad} is incomplete or damaged ({why}); resuming from {path.name} instead",
+                              stacklevel=2)
+            return path
+        skipped.append((path, problem))
+    listed = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+    raise TrainError(f"--resume: no complete checkpoint in {checkpoints[-1].parent} ({listed}); start a new "
+                     "output_dir")
+
+
+def _read_trainer_state(path: Path) -> dict:
+    file = path / "trainer_state.json"
+    try:
+        state = json.loads(file.read_text())
+        int(state["step"])
+        return state
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise state_io.StateError(f"{file} cannot be read ({type(err).__name__})") from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(path.glob("*.safetensors")):
+        if file.name.startswith(("optimizer", "scheduler", "rng_state_")):
+            continue
+        try:
+            weights.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises its own error type
+            raise state_io.StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+    return weights
+
+
 def _brief(value) -> str:
     if isinstance(value, dict):
         return f"{len(value)} tensors"
@@ -651,11 +725,28 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
     checkpoint path). Works the same under torchrun (one call per process)."""
     threads = torch.get_num_threads()
     try:
-        run = _Run(recipe, resume, progress)
-        run.setup()
-        return run.run()
+        with _output_lock(recipe):
+            run = _Run(recipe, resume, progress)
+            run.setup()
+            return run.run()
+    except ConversionError as err:  # output_dir locked, not writable, disk full while saving
+        raise TrainError(str(err)) from None
     finally:
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
+
+
+@contextmanager
+def _output_lock(recipe: Recipe):
+    """Rank 0 holds the lock on output_dir for the whole run (a second run into it is refused) and, holding it,
+    removes the temporary folders of killed runs."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    out = Path(recipe.output_dir)
+    check_writable_parent(out.absolute(), option="output_dir")
+    with OutputLock(out, option="output_dir"):
+        clean_stale_in(out)
+        yield
 
 
 __all__ = ["train", "TrainResult", "TrainError", "lr_factor", "lm_loss", "distill_loss", "list_checkpoints",
