@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SPACE_MARGIN = 64 << 20  # config, tokenizer, reports, plot and file-system slack on top of the weights
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_FULL_TEXTS = ("no space left", "os error 28", "disk quota exceeded", "os error 122")
+_FULL_TEXTS = ("no space left", f"os error {errno.ENOSPC})", "disk quota exceeded", f"os error {errno.EDQUOT})")
 
 
 # ============================================================================================== path checks
@@ -155,11 +155,19 @@ def save_error(err: BaseException, out: Path, need: int | None, option: str = "-
         return ConversionError(f"disk full while writing {out} ({needed}, {free} in '{where}'); nothing was "
                                f"published: free some space or choose another {option}")
     if isinstance(err, OSError) and (err.filename is None or _is_under(err.filename, out.parent)):
-        name = err.filename or out
-        reason = err.strerror or str(err)
-        return ConversionError(f"cannot write {name}: {reason}; nothing was published: check '{where}' "
-                               f"(permissions, space) or choose another {option}")
-    return None
+        name, reason = err.filename or out, err.strerror or str(err)
+    elif (code := _wrapped_errno(err)) is not None:  # safetensors: "I/O error: File too large (os error 27)"
+        name, reason = out, os.strerror(code)
+    else:
+        return None
+    return ConversionError(f"cannot write {name}: {reason}; nothing was published: check '{where}' "
+                           f"(permissions, space) or choose another {option}")
+
+
+def _wrapped_errno(err: BaseException) -> int | None:
+    """The errno inside a library's error text ("... (os error 28)"), None when there is none."""
+    match = re.search(r"\(os error (\d+)\)", str(err))
+    return int(match[1]) if match else None
 
 
 def _is_under(path, folder: Path) -> bool:
