@@ -28,6 +28,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from test_train import tiny_recipe
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_convert.cli import convert_main, tlm_main
@@ -176,20 +177,8 @@ class _Evil:
 
 
 def _tiny_recipe(tmp_path, name="run", **sections) -> dict:
-    recipe = {
-        "output_dir": str(tmp_path / name), "tokenizer": "byte", "seed": 3,
-        "model": {"schedule": "cosine", "ratio": "1.5/0.5",
-                  "config": {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
-                             "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64}},
-        "data": {"train": str(DATA), "seq_len": 33, "eval_tokens": 660, "cache_dir": str(tmp_path / "cache")},
-        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
-        "train": {"max_steps": 6, "batch_size": 4, "num_threads": 1},
-        "log": {"every": 1, "eval_every": 0, "save_every": 3, "keep_last": 5, "progress": False,
-                "tensorboard": False},
-    }
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+    """test_train's tiny recipe, without the periodic evaluations (faster)."""
+    return tiny_recipe(tmp_path, name, **{"log": {"eval_every": 0}, **sections})
 
 
 def _write_recipe(tmp_path, recipe: dict, name="r.yaml") -> Path:
@@ -267,37 +256,30 @@ def test_custom_tokenizer_code_is_refused_even_when_stdin_says_yes(source, tmp_p
                                      "from transformers import PreTrainedTokenizerFast\n"
                                      "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "tlm_convert", str(src), "-o", str(out), *FAST], input="y\ny\n",
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    res = _convert([src, "-o", out, *FAST], input="y\ny\n")  # CliRunner feeds this to sys.stdin
     assert not marker.exists(), "the source's tokenizer code ran"
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and "--trust-remote-code" in last, proc.stderr
-    assert "[y/N]" not in proc.stdout + proc.stderr and not out.exists()
+    line = _one_error_line(res)
+    assert "--trust-remote-code" in line and "[y/N]" not in res.output and not out.exists(), res.output
 
 
 # ============================================================================ 6 + 11: concurrent runs, dead runs
 
 
 def test_a_second_run_into_the_same_output_is_refused_and_a_dead_run_does_not_block(source, tmp_path):
-    """Case 6: while a conversion runs, a second one into the same OUTPUT is refused naming the holder. Case 11:
-    once the first is killed (SIGKILL: its lock file stays), the next run goes ahead and removes its temp folder."""
+    """Case 6: while another process holds OUTPUT, a run into it is refused naming the holder. Case 11: once that
+    process is killed (SIGKILL: its lock file stays), the next run goes ahead and removes a dead run's temp folder."""
     out = tmp_path / "out"
-    slow = [*FAST, "--calibration-tokens", "65536", "--importance", "obs"]
-    first = subprocess.Popen([sys.executable, "-m", "tlm_convert", str(source), "-o", str(out), *slow],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tlm_convert.outputs import OutputLock\n"
+                               f"OutputLock({str(out)!r}).acquire()\nprint('locked', flush=True)\ntime.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True, env=ENV)
     try:
-        lock = tmp_path / ".out.lock"
-        deadline = time.monotonic() + 120
-        while not (lock.is_file() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert first.poll() is None, "the first run ended before the second started"
+        assert holder.stdout.readline().strip() == "locked"
         line = _one_error_line(_convert([source, "-o", out, *FAST]))
-        assert "being written by another run" in line and f"pid {first.pid}" in line, line
+        assert "being written by another run" in line and f"pid {holder.pid}" in line, line
     finally:
-        first.kill()
-        first.wait()
-    assert lock.exists()  # SIGKILL: nothing was released
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / ".out.lock").exists()  # SIGKILL: nothing was released
     (tmp_path / ".out.tmp-deadrun").mkdir()  # what a run killed while saving leaves
     (tmp_path / ".out.tmp-deadrun" / "model.safetensors").write_bytes(b"\0" * 100)
     res = _convert([source, "-o", out, *FAST])
@@ -421,7 +403,8 @@ def test_stop_file_exits_143_and_the_hint_repeats_the_overrides(tmp_path):
 
 def test_sigterm_exits_143_with_a_checkpoint_and_a_resume_command(tmp_path):
     """Case 12 with a real SIGTERM to a real `tlm train` process."""
-    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, train={"max_steps": 100000}, log={"save_every": 100000}))
+    recipe = _tiny_recipe(tmp_path, train={"max_steps": 100000}, log={"save_every": 100000, "eval_every": 0})
+    path = _write_recipe(tmp_path, recipe)
     proc = subprocess.Popen([sys.executable, "-m", "tlm_train", "train", str(path), "--set", "seed=4",
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -37,7 +37,7 @@ import shutil
 import signal
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,9 +299,36 @@ class _Run:
         self.recipe = recipe
         self.out = Path(recipe.output_dir)
         self.d = _setup_distributed(recipe.train.device)
-        self.show_progress = recipe.log.progress if progress is None else progress
-        self.stop_requested = False
-        self.resume_from = self._resume_path(resume)
+        self.lock = self._lock_output()
+        try:
+            self.show_progress = recipe.log.progress if progress is None else progress
+            self.stop_requested = False
+            self.resume_from = self._resume_path(resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock_output(self) -> OutputLock | None:
+        """Rank 0 locks output_dir for the run (a second run into it is refused) and, holding the lock, removes
+        the temporary folders of killed runs; every rank learns whether that worked (no rank waits forever)."""
+        lock, problem = None, None
+        if self.d.main:
+            try:
+                check_writable_parent(self.out.absolute(), option="output_dir")
+                lock = OutputLock(self.out, option="output_dir").acquire()
+                clean_stale_in(self.out)
+            except (ConversionError, OSError) as err:
+                problem = str(err)
+        if self.d.any(problem is not None):
+            if lock is not None:
+                lock.release()
+            raise TrainError(problem or "rank 0 could not lock output_dir (see its error)")
+        return lock
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -724,29 +751,17 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
     """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
     checkpoint path). Works the same under torchrun (one call per process)."""
     threads = torch.get_num_threads()
+    run = None
     try:
-        with _output_lock(recipe):
-            run = _Run(recipe, resume, progress)
-            run.setup()
-            return run.run()
-    except ConversionError as err:  # output_dir locked, not writable, disk full while saving
+        run = _Run(recipe, resume, progress)
+        run.setup()
+        return run.run()
+    except ConversionError as err:  # disk full or another write error while saving
         raise TrainError(str(err)) from None
     finally:
+        if run is not None:
+            run.release()
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
-
-
-@contextmanager
-def _output_lock(recipe: Recipe):
-    """Rank 0 holds the lock on output_dir for the whole run (a second run into it is refused) and, holding it,
-    removes the temporary folders of killed runs."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        yield
-        return
-    out = Path(recipe.output_dir)
-    check_writable_parent(out.absolute(), option="output_dir")
-    with OutputLock(out, option="output_dir"):
-        clean_stale_in(out)
-        yield
 
 
 __all__ = ["train", "TrainResult", "TrainError", "lr_factor", "lm_loss", "distill_loss", "list_checkpoints",
