@@ -358,6 +358,21 @@ def test_disk_full_while_saving_is_one_clear_line(source, tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_disk_full_while_checkpointing_is_one_clear_line(tmp_path, monkeypatch):
+    """Case 8 for `tlm train`: the checkpoint is not published, the error names it."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "serialize_file", full_disk)
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path))
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "disk full while writing" in line and "checkpoint-3" in line and "needed" in line, line
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not list((tmp_path / "run").glob(".*tmp*"))
+
+
 @pytest.mark.parametrize("where", ["under-a-file", "unreadable-parent"])
 def test_an_unwritable_output_path_is_refused_before_any_work(source, tmp_path, monkeypatch, where):
     """Case 10 (paths): found before loading, not after the whole conversion."""
@@ -416,3 +431,24 @@ def test_sigterm_exits_143_with_a_checkpoint_and_a_resume_command(tmp_path):
     assert proc.returncode == 143, stdout + stderr
     assert "--set seed=4 --resume" in stdout and "SIGTERM" in stdout, stdout
     assert len(list((tmp_path / "run").glob("checkpoint-*"))) == 1
+
+
+def test_checkpoints_of_the_first_format_still_resume(trained, tmp_path):
+    """Backward compatibility: optimizer.pt / scheduler.pt / rng_state_0.pt as the first versions wrote them
+    (torch.save of the state dicts) resume through the weights-only unpickler to the same losses."""
+    from tlm_train import state_io
+    from tlm_train.recipe import load_recipe
+    from tlm_train.trainer import train
+
+    recipe, out = _copy_run(trained, tmp_path)
+    reference = train(load_recipe(recipe), resume=str(out / "checkpoint-6"))
+    shutil.rmtree(out)
+    recipe, out = _copy_run(trained, tmp_path)
+    ckpt = out / "checkpoint-6"
+    for name in ("optimizer", "scheduler", "rng_state_0"):
+        torch.save(state_io.load_state(ckpt, name), ckpt / f"{name}.pt")
+        (ckpt / f"{name}.json").unlink()
+        (ckpt / f"{name}.safetensors").unlink()
+    (ckpt / state_io.MANIFEST).unlink()
+    legacy = train(load_recipe(recipe), resume=True)
+    assert legacy.steps == 9 and legacy.losses == reference.losses

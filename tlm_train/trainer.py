@@ -37,7 +37,7 @@ import shutil
 import signal
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -470,8 +470,19 @@ class _Run:
 
     def save_checkpoint(self) -> Path:
         """checkpoint-<step>: written into a temporary folder, checksummed (manifest.json), then swapped in."""
-        with save_errors(self.out / f"{CHECKPOINT_PREFIX}{self.step}", self._checkpoint_bytes(), "output_dir"):
+        final = self.out / f"{CHECKPOINT_PREFIX}{self.step}"
+        with save_errors(final, self._checkpoint_bytes(), "output_dir"), self._removed_on_failure(final):
             return self._save_checkpoint()
+
+    @contextmanager
+    def _removed_on_failure(self, final: Path):
+        """A failed save leaves no temporary folder behind (a killed one is removed by the next run)."""
+        try:
+            yield
+        except BaseException:
+            if self.d.main:
+                shutil.rmtree(_temp_dir(final), ignore_errors=True)
+            raise
 
     def _checkpoint_bytes(self) -> int:
         """About what a checkpoint takes on disk: the fp32 weights and AdamW's two moments."""
@@ -480,7 +491,7 @@ class _Run:
     def _save_checkpoint(self) -> Path:
         r, d = self.recipe, self.d
         final = self.out / f"{CHECKPOINT_PREFIX}{self.step}"
-        tmp = self.out / f".{final.name}.tmp-train"
+        tmp = _temp_dir(final)
         weights = _full_state_dict(self.model, r.train.parallel)
         optim = _optim_state(self.model, self.optimizer, r.train.parallel)
         if d.main:
@@ -518,14 +529,15 @@ class _Run:
         self.tokenizer.save_pretrained(str(folder))
 
     def save_final(self) -> Path:
-        with save_errors(self.out / "final", self._checkpoint_bytes() // 3, "output_dir"):
+        with save_errors(self.out / "final", self._checkpoint_bytes() // 3, "output_dir"), \
+                self._removed_on_failure(self.out / "final"):
             return self._save_final()
 
     def _save_final(self) -> Path:
         weights = _full_state_dict(self.model, self.recipe.train.parallel)
         final = self.out / "final"
         if self.d.main:
-            tmp = self.out / ".final.tmp-train"
+            tmp = _temp_dir(final)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             self._write_model(tmp, weights)
@@ -694,6 +706,11 @@ class _Run:
         self.log({"step": self.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
                   "tokens": self.step * self.tokens_per_step})
         return loss
+
+
+def _temp_dir(final: Path) -> Path:
+    """Where ``final`` is written before it is swapped in (fixed: every rank writes its RNG state into it)."""
+    return final.parent / f".{final.name}.tmp-train"
 
 
 def checkpoint_problem(path: Path) -> str | None:
