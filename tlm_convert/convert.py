@@ -29,8 +29,8 @@ from .data import load_text, token_blocks
 from .errors import ConversionError
 from .export import FORMATS, export_model
 from .importance import METRICS
-from .remote_code import auto_tokenizer
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
+from .remote_code import auto_tokenizer
 from .surgery import GROW_INITS
 from .upcycle import upcycle
 

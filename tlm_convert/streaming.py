@@ -88,11 +88,11 @@ from .archs import (
 from .checkpoint import read_hf_config, weight_files
 from .compensate import obs_prune, refit_kept
 from .convert import PhaseTimer, _eval_blocks, _report_head, peak_rss_mb, plan_widths
-from .outputs import check_free_space, output_bytes, publish, save_error
-from .remote_code import auto_tokenizer
 from .data import load_text, token_blocks
 from .errors import ConversionError, one_line
 from .importance import ActivationStats, neuron_scores
+from .outputs import check_free_space, output_bytes, publish, save_error
+from .remote_code import auto_tokenizer
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 from .upcycle import _split_mlp
 

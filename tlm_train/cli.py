@@ -47,13 +47,15 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
         _report_failure(err)
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    if result.stopped:
+    main = not (dist.is_initialized() and dist.get_rank() != 0)
+    if result.stopped:  # every rank exits with the same status
         again = ["tlm", "train", recipe_path, *[x for o in overrides for x in ("--set", o)], "--resume"]
-        click.echo(f"stopped ({result.stop_reason}) at step {result.steps}; checkpoint written to "
-                   f"{result.output_dir} (continue with: {shlex.join(again)})")
+        if main:
+            click.echo(f"stopped ({result.stop_reason}) at step {result.steps}; checkpoint written to "
+                       f"{result.output_dir} (continue with: {shlex.join(again)})")
         sys.exit(STOPPED_EXIT.get(result.stop_reason, 143))
+    if not main:
+        return
     summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps": result.steps,
                "tokens": result.tokens, "eval_loss": result.eval_loss, "seconds": round(result.seconds, 2)}
     click.echo(json.dumps(summary))
