@@ -189,7 +189,7 @@ def test_resume_on_other_data_is_refused(tmp_path):
 
 def test_fineweb_edu_recipe_runs_offline_on_a_local_copy(tmp_path):
     """recipes/cpt/smollm2-135m-tlm-fineweb-edu.yaml with data.train pointed at a local parquet file of the
-    corpus' layout and columns (its own data settings: 16 tokenizing processes, 4 loader workers)."""
+    corpus' layout and columns (its own data settings: 16 tokenizing processes, 2 loader workers)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
