@@ -176,6 +176,32 @@ def test_resume_from_a_mid_shard_checkpoint_sees_the_identical_batches(tmp_path,
     assert plain.losses == full.losses and all(torch.equal(a, b) for a, b in zip(seen, full_batches))
 
 
+def test_tlm_tokenize_fills_the_cache_a_run_then_reads(tmp_path, small_shards, monkeypatch):
+    import yaml
+    from click.testing import CliRunner
+
+    from tlm_train.cli import tlm_main
+
+    docs = write_docs(tmp_path / "docs.jsonl", n=120)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(tmp_path, data={"train": str(tmp_path / "docs.jsonl")},
+                                               train={"max_steps": 2})))
+    res = CliRunner().invoke(tlm_main, ["tokenize", str(path), "--set", "data.num_proc=2"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.rindex("{"):])  # after datasets' progress bar (stderr)
+    assert summary["train_tokens"] == len(expected_ids(docs)) and summary["shards"] >= 5
+    assert summary["eval_tokens"] is None  # no data.eval: held out from the training tokens
+
+    def no_reading(*args):
+        raise AssertionError("the run tokenized again")
+
+    monkeypatch.setattr(data_module, "_documents", no_reading)
+    assert CliRunner().invoke(tlm_main, ["train", str(path), "--no-progress"]).exit_code == 0
+    bad = CliRunner().invoke(tlm_main, ["tokenize", str(tmp_path / "none.yaml")])
+    lines = bad.output.strip().splitlines()
+    assert bad.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0]
+
+
 def test_resume_on_other_data_is_refused(tmp_path):
     r = tiny_recipe(tmp_path, "a", train={"max_steps": 3})
     train(recipe_from_dict(r))

@@ -121,6 +121,15 @@ def tokenize_cached(tokenizer, source: str, max_tokens: int | None = None, cache
     return torch.from_numpy(token_shards(tokenizer, source, max_tokens, cache_dir, num_proc).read())
 
 
+def recipe_tokens(tokenizer, data) -> tuple[TokenShards, torch.Tensor | None]:
+    """A recipe's ``data`` section (tlm_train.recipe.DataSpec) tokenized: the training tokens as cache shards, the
+    held-out ones in memory (None without ``data.eval``)."""
+    train = token_shards(tokenizer, data.train, data.max_train_tokens, data.cache_dir, data.num_proc)
+    held = (tokenize_cached(tokenizer, data.eval, data.eval_tokens, data.cache_dir, data.num_proc)
+            if data.eval else None)
+    return train, held
+
+
 _PIECE_CHARS = 1 << 20
 
 
@@ -210,5 +219,5 @@ def micro_batch_loader(order: BatchOrder, rank: int, first_step: int, last_step:
         yield ids.pin_memory() if pin_memory else ids
 
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "to_blocks", "BatchOrder",
+__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks", "BatchOrder",
            "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]

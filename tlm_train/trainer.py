@@ -40,8 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import (BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, to_blocks, token_shards,
-                   tokenize_cached)
+from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
 from .recipe import Recipe, RecipeError
 
 logger = logging.getLogger(__name__)
@@ -363,9 +362,7 @@ class _Run:
         # rank 0 tokenizes (and fills the cache) first; the others then read the cache
         if not self.d.main:
             self.d.barrier()
-        ids = token_shards(self.tokenizer, r.data.train, r.data.max_train_tokens, r.data.cache_dir, r.data.num_proc)
-        eval_ids = (tokenize_cached(self.tokenizer, r.data.eval, r.data.eval_tokens, r.data.cache_dir, r.data.num_proc)
-                    if r.data.eval else None)
+        ids, eval_ids = recipe_tokens(self.tokenizer, r.data)
         if self.d.main:
             self.d.barrier()
         train_stop = len(ids)
