@@ -129,7 +129,8 @@ def main() -> None:
     cpu_shape = [min(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(before, after)
                  if a["batch"] == train_run["batch"] and a["seq_len"] == train_run["seq_len"]]
     ratio = min(cpu_shape) / train_run["tokens_per_s"]
-    result = {"command": "python " + " ".join(sys.argv), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = {"command": "python " + " ".join(sys.argv),
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "loadavg_start": load_start,
                           "loadavg_end": os.getloadavg()},
               "versions": {"python": platform.python_version(), "torch": torch.__version__},

@@ -257,7 +257,8 @@ def markdown(results: list[dict], conv: dict, info: dict) -> str:
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         cells = [r["config"], r["mode"], f"{r['params'] / 1e6:.4g}M" if "params" in r else "-",
-                 f"{r['batch']} x {r['seq_len']}" if "batch" in r else "-", f"{r['tokens_per_s']:,}" if "tokens_per_s" in r else "-", mfu,
+                 f"{r['batch']} x {r['seq_len']}" if "batch" in r else "-",
+                 f"{r['tokens_per_s']:,}" if "tokens_per_s" in r else "-", mfu,
                  r.get("peak_mem_gb") or "-", r.get("first_step_s") or "-", r["status"]]
         rows.append("| " + " | ".join(map(str, cells)) + " |")
     rows.append("")
@@ -311,7 +312,9 @@ def main(argv=None) -> int:
     remaining = budget - (time.perf_counter() - start) - 5
     conv = ({"command": "-", "status": "skipped", "wall_s": None, "cpu_wall_s_recorded": None, "cpu_recorded": "-"}
             if args.skip_convert else convert_check(dry, max(30.0, remaining), env))
-    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+            f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+    info = {"device": name,
             "dry": dry, "peak_tflops": round(peak / 1e12, 1) if peak else None, "torch": torch.__version__,
             "budget_s": budget, "wall_s": round(time.perf_counter() - start, 1),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

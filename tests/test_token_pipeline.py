@@ -58,7 +58,8 @@ def test_sharded_cache_is_the_token_stream_and_the_same_for_any_number_of_proces
     assert len(one.counts) >= 5 and one.dtype == np.uint16  # several shards; 257 ids fit in 16 bits
     assert one.read().tolist() == expected_ids(docs)
     two = token_shards(tok, str(tmp_path / "docs.jsonl"), cache_dir=tmp_path / "two", num_proc=2)
-    assert [p.read_bytes() for p in shard_files(tmp_path / "one")] == [p.read_bytes() for p in shard_files(tmp_path / "two")]
+    files = [[p.read_bytes() for p in shard_files(tmp_path / name)] for name in ("one", "two")]
+    assert files[0] == files[1]
     manifest = json.loads(next((tmp_path / "two").glob("*/manifest.json")).read_text())
     assert manifest["complete"] and manifest["shards"] == one.counts and manifest["tokens"] == len(one)
     # reads across shard boundaries; blocks as from one array
@@ -98,6 +99,10 @@ def test_killed_tokenization_continues_where_it_stopped(tmp_path, small_shards, 
     assert calls[0] == "shard-00003.bin" and len(calls) == len(resumed.counts) - 3  # only the missing groups
     assert resumed.read().tolist() == expected_ids(docs)
     assert not list(folder.glob("*.tmp*"))
+    (folder / "shard-00001.bin").write_bytes(b"\0\0")  # damaged: not the size the manifest records
+    calls.clear()
+    assert token_shards(tok, str(tmp_path / "docs.jsonl"), cache_dir=tmp_path).read().tolist() == expected_ids(docs)
+    assert calls == ["shard-00001.bin"]
 
 
 def test_a_token_cap_reads_only_what_it_needs_and_a_larger_one_continues(tmp_path, small_shards, monkeypatch):

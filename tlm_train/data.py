@@ -219,5 +219,5 @@ def micro_batch_loader(order: BatchOrder, rank: int, first_step: int, last_step:
         yield ids.pin_memory() if pin_memory else ids
 
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks", "BatchOrder",
-           "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]
+__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks",
+           "BatchOrder", "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]

@@ -198,6 +198,8 @@ def write_shards(folder: Path, documents: Iterable[tuple[str, bool]], writer: Gr
     """Tokenize the groups of ``documents`` that have no shard yet into ``folder`` (see the module doc)."""
     folder.mkdir(parents=True, exist_ok=True)
     _remove_orphans(folder)
+    manifest = folder / MANIFEST
+    recorded = json.loads(manifest.read_text())["shards"] if manifest.is_file() else []
     counts: dict[int, int] = {}
     pending: deque = deque()
     pool = None
@@ -221,6 +223,9 @@ def write_shards(folder: Path, documents: Iterable[tuple[str, bool]], writer: Gr
                 exhausted = False
                 break
             path = folder / shard_name(index)
+            size = recorded[index] * writer.dtype.itemsize if index < len(recorded) else None
+            if path.is_file() and size is not None and path.stat().st_size != size:
+                path.unlink()  # not the size the manifest recorded (a damaged file): written again
             if path.is_file():
                 counts[index] = path.stat().st_size // writer.dtype.itemsize
             elif pool is None:
