@@ -121,6 +121,27 @@ def test_a_token_cap_reads_only_what_it_needs_and_a_larger_one_continues(tmp_pat
     assert written[0] == f"shard-{first:05d}.bin"  # the first shards were kept
 
 
+def test_a_streamed_hub_corpus_is_read_only_as_far_as_the_cap_needs(tmp_path, small_shards, monkeypatch):
+    """NAME:CONFIG streams that configuration; with max_tokens the stream is left once the shards hold enough."""
+    import datasets
+
+    docs = [DATA.read_text()[i : i + 150] for i in range(0, 30000, 150)]
+    calls, served = [], []
+
+    def fake_hub(name, config=None, split=None, streaming=False):
+        calls.append((name, config, split, streaming))
+        return ({"text": d} for d in docs if served.append(d) is None)
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    ids = tokenize_cached(byte_tokenizer(), "HuggingFaceFW/fineweb-edu:sample-10BT", max_tokens=2000,
+                          cache_dir=tmp_path)
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
+    assert ids.tolist() == expected_ids(docs)[:2000]
+    assert 2000 / 150 < len(served) < len(docs) / 4  # read a few groups past the cap, not the corpus
+
+
 # ---------------------------------------------------------------------------------------------- the DataLoader
 
 
