@@ -228,6 +228,22 @@ def test_tlm_tokenize_fills_the_cache_a_run_then_reads(tmp_path, small_shards, m
     assert bad.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0]
 
 
+@pytest.mark.slow
+def test_two_gloo_ranks_with_loader_workers_match_one_process(tmp_path, small_shards):
+    """Each of 2 DDP ranks reads its half of every global batch through 2 DataLoader workers: the same losses as one
+    process with the whole batch. (The torchrun processes use the default shard size, one shard for this corpus:
+    reads across shard boundaries are covered in-process above.)"""
+    from test_train import _torchrun, metrics
+
+    write_docs(tmp_path / "docs.jsonl", n=120)
+    data = {"train": str(tmp_path / "docs.jsonl")}
+    single = train(recipe_from_dict(tiny_recipe(tmp_path, "single", data=data, train={"max_steps": 4})))
+    ranks = tiny_recipe(tmp_path, "ddp", data={**data, "num_workers": 2}, train={"max_steps": 4, "batch_size": 2})
+    proc = _torchrun(tmp_path, ranks)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [m["loss"] for m in metrics(tmp_path / "ddp") if "loss" in m] == pytest.approx(single.losses, abs=1e-5)
+
+
 def test_resume_on_other_data_is_refused(tmp_path):
     r = tiny_recipe(tmp_path, "a", train={"max_steps": 3})
     train(recipe_from_dict(r))
