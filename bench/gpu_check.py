@@ -174,8 +174,9 @@ def run_configs(specs: list[dict], budgets: list[float], end: float, env: dict) 
     while i < len(specs) and time.monotonic() < end:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(specs[i:], f)
+        stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: compile warnings must not fill a buffer
         proc = subprocess.Popen([sys.executable, __file__, "--worker", f.name], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                                stderr=stderr, text=True, env=env, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)], daemon=True).start()
         running, deadline = None, min(end, time.monotonic() + 120)  # start-up: imports, CUDA context
@@ -194,20 +195,25 @@ def run_configs(specs: list[dict], budgets: list[float], end: float, env: dict) 
                 proc.wait()
                 k = i if running is None else running
                 if proc.returncode != 0:
-                    err = proc.stderr.read().strip().splitlines()
+                    stderr.seek(0)
+                    err = stderr.read().strip().splitlines()
                     results.append({"config": specs[k]["name"], "mode": "-",
                                     "status": f"worker failed: {err[-1][:200] if err else proc.returncode}"})
                 i = k + 1 if (running is not None or proc.returncode != 0) else len(specs)
                 break
-            if not line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a library's own output
                 continue
-            event = json.loads(line)
+            if not isinstance(event, dict) or "event" not in event:
+                continue
             if event.pop("event") == "start":
                 running = i if running is None else running + 1
                 deadline = min(end, time.monotonic() + budgets[running])
             else:
                 results.append(event)
         os.unlink(f.name)
+        stderr.close()
     for spec in specs[i:]:
         results.append({"config": spec["name"], "mode": "-", "status": "skipped: the check's budget was spent"})
     return results
@@ -235,7 +241,8 @@ def convert_check(dry: bool, timeout: float, env: dict) -> dict:
     return {"command": "tlm-convert " + " ".join(args[:1] + args[1:3]), "status": status,
             "wall_s": round(seconds, 1), "cpu_wall_s_recorded": round(cpu.get("conversion_wall_seconds", 0), 1) or None,
             "cpu_recorded": "bench/results/convert_time.json: the default conversion without evaluation, "
-                            f"{cpu.get('threads')} threads on {cpu.get('machine')} (bench/RESULTS.md), not rerun"}
+                            f"in-process (no CLI start-up), {cpu.get('threads')} threads on {cpu.get('machine')} "
+                            "(bench/RESULTS.md), not rerun"}
 
 
 def _tiny_llama(folder: str) -> None:
