@@ -86,7 +86,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm" / "tokens"))
 
 
-SHARD_CHARS = 1 << 25  # characters of text per cache shard (about 8M tokens, 16-32 MB on disk)
+SHARD_CHARS = 1 << 25  # characters of text per cache shard (about 8M tokens of a BPE vocabulary)
 
 
 def token_shards(tokenizer, source: str, max_tokens: int | None = None, cache_dir: str | Path | None = None,
