@@ -64,7 +64,8 @@ def main() -> None:
     root = Path(__file__).parent / "scratch"
     for scale, make, header in (("cpu", cpu, "# CPU scale, from scratch: tlm train {path}\n"),
                                 ("gpu", gpu, "# 440M class on 8 GPUs, from scratch: torchrun --nproc_per_node 8 -m "
-                                             "tlm_train train {path}\n")):
+                                             "tlm_train train {path}\n# (fill the token cache first: tlm tokenize "
+                                             "{path})\n")):
         for mixer in MIXER_EXTRA:
             for schedule in SCHEDULES:
                 path = root / scale / f"{mixer}-{schedule}.yaml"
