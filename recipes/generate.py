@@ -51,8 +51,8 @@ def gpu(mixer: str, schedule: str) -> dict:
                   "config": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                              "num_key_value_heads": 16, "intermediate_size": 4096, "max_position_embeddings": 4096,
                              "tie_word_embeddings": True, "mixer": mixer, **extra}},
-        "data": {"train": "HuggingFaceFW/fineweb-edu", "max_train_tokens": 9_500_000_000, "eval_tokens": 4_194_304,
-                 "seq_len": 4096},
+        "data": {"train": "HuggingFaceFW/fineweb-edu:sample-10BT", "max_train_tokens": 9_500_000_000,
+                 "eval_tokens": 4_194_304, "seq_len": 4096, "num_proc": 16, "num_workers": 2},
         "optim": {"lr": 4e-4, "min_lr": 4e-5, "warmup_steps": 1000, "weight_decay": 0.1, "grad_clip": 1.0},
         "train": {"max_steps": 18000, "batch_size": 8, "grad_accum": 2, "precision": "bf16", "compile": True,
                   "parallel": "ddp"},
@@ -64,7 +64,8 @@ def main() -> None:
     root = Path(__file__).parent / "scratch"
     for scale, make, header in (("cpu", cpu, "# CPU scale, from scratch: tlm train {path}\n"),
                                 ("gpu", gpu, "# 440M class on 8 GPUs, from scratch: torchrun --nproc_per_node 8 -m "
-                                             "tlm_train train {path}\n")):
+                                             "tlm_train train {path}\n# (fill the token cache first: tlm tokenize "
+                                             "{path})\n")):
         for mixer in MIXER_EXTRA:
             for schedule in SCHEDULES:
                 path = root / scale / f"{mixer}-{schedule}.yaml"

@@ -109,15 +109,14 @@ def test_byte_tokenizer_round_trips_and_saves(tmp_path):
 def test_tokenized_data_is_cached(tmp_path, monkeypatch):
     tok = byte_tokenizer()
     first = tokenize_cached(tok, str(DATA), cache_dir=tmp_path)
-    assert first.tolist() == list(DATA.read_bytes()) and len(list(tmp_path.glob("*.bin"))) == 1
+    assert first.tolist() == list(DATA.read_bytes()) and len(list(tmp_path.glob("*/shard-*.bin"))) == 1
 
-    def no_tokenizing(*args):
-        raise AssertionError("tokenized again")
+    def no_reading(*args):
+        raise AssertionError("read and tokenized again")
 
-    monkeypatch.setattr(data_module, "_token_pieces", no_tokenizing)
+    monkeypatch.setattr(data_module, "_documents", no_reading)
     assert torch.equal(tokenize_cached(tok, str(DATA), cache_dir=tmp_path), first)
-    monkeypatch.undo()
-    assert len(tokenize_cached(tok, str(DATA), max_tokens=100, cache_dir=tmp_path)) == 100  # another key
+    assert len(tokenize_cached(tok, str(DATA), max_tokens=100, cache_dir=tmp_path)) == 100  # a prefix of the cache
 
 
 def test_documents_are_joined_with_eos_and_long_files_read_in_pieces(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Calibration and evaluation text -> fixed-length token blocks.
 
 Text comes through `datasets`: a local ``.txt``/``.md`` file, ``.jsonl``/``.json`` or ``.parquet`` (a ``text``
-column), a folder of such files, or a dataset name on the hub when online. ``"default"`` is the general-English
+column), a folder of such files, or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration,
+e.g. ``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the general-English
 sample bundled with the package (``data/README.md`` gives its sources and licenses); ``"default-eval"`` is the
 disjoint held-out sample used for perplexity.
 """
@@ -101,8 +102,9 @@ def _dataset_rows(path: Path, source: str):
                               "HF_DATASETS_OFFLINE); pass a local .txt/.jsonl/.parquet path")
     import datasets
 
+    name, _, config = source.partition(":")  # NAME:CONFIG: a configuration of the dataset
     try:  # a hub dataset name, streamed
-        ds = datasets.load_dataset(source, split="train", streaming=True)
+        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
         raise ConversionError(f"data {source!r} is not a local file and could not be loaded from the hub "
                               f"({type(err).__name__}); pass a local .txt/.jsonl/.parquet path") from None

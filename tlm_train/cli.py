@@ -1,4 +1,5 @@
-"""``tlm train`` and ``tlm compare``, added to the ``tlm`` command group of tlm_convert.cli (eval, analyze)."""
+"""``tlm train``, ``tlm tokenize`` and ``tlm compare``, added to the ``tlm`` command group of tlm_convert.cli (eval,
+analyze)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,29 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
         return
     summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps": result.steps,
                "tokens": result.tokens, "eval_loss": result.eval_loss, "seconds": round(result.seconds, 2)}
+    click.echo(json.dumps(summary))
+
+
+@tlm_main.command("tokenize", cls=_Command)
+@click.argument("recipe_path", metavar="RECIPE.yaml")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override a recipe value, e.g. --set data.num_proc=32 (repeatable).")
+def tokenize_command(recipe_path, overrides):
+    """Tokenize RECIPE.yaml's data into the token cache (data.num_proc processes), before a multi-GPU run.
+
+    Resumable: run it again after an interruption. Prints the cache's token count, shards and folder.
+    """
+    try:
+        from .prepare import prepare_data
+        from .recipe import load_recipe
+        from .trainer import TrainError
+
+        _quiet_libraries()
+        summary = prepare_data(load_recipe(recipe_path, list(overrides)))
+    except TrainError as err:
+        _fail(str(err))
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
     click.echo(json.dumps(summary))
 
 

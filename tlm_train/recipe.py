@@ -45,6 +45,8 @@ class DataSpec:
     max_train_tokens: int | None = None  # cap on the tokenized training text (streamed datasets stop there)
     skip_batches: int = 0  # global batches of the data order skipped at the start (continue where a run stopped)
     cache_dir: str | None = None  # tokenized data cache; None: $TLM_CACHE or ~/.cache/tlm/tokens
+    num_proc: int = 1  # processes that tokenize into the sharded cache (the first run; the same cache for any number)
+    num_workers: int = 0  # DataLoader worker processes per rank reading batches from the cache (0: the training one)
 
 
 @dataclass
@@ -298,6 +300,10 @@ def _check_semantics(r: Recipe) -> list[str]:
         errors.append(f"optim.betas: expected two numbers in [0, 1), got {r.optim.betas}")
     if r.optim.grad_clip is not None and r.optim.grad_clip <= 0:
         errors.append(f"optim.grad_clip: must be > 0 or null, got {r.optim.grad_clip}")
+    if r.data.num_proc < 1:
+        errors.append(f"data.num_proc: must be >= 1, got {r.data.num_proc}")
+    if r.data.num_workers < 0:
+        errors.append(f"data.num_workers: must be >= 0, got {r.data.num_workers}")
     if r.data.skip_batches < 0:
         errors.append(f"data.skip_batches: must be >= 0, got {r.data.skip_batches}")
     if r.data.seq_len < 2:

@@ -49,7 +49,7 @@ from tlm_convert.errors import ConversionError
 from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
 
 from . import state_io
-from .data import BatchOrder, load_tokenizer, to_blocks, tokenize_cached
+from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
 from .recipe import Recipe, RecipeError
 
 logger = logging.getLogger(__name__)
@@ -405,16 +405,16 @@ class _Run:
         # rank 0 tokenizes (and fills the cache) first; the others then read the cache
         if not self.d.main:
             self.d.barrier()
-        ids = tokenize_cached(self.tokenizer, r.data.train, r.data.max_train_tokens, r.data.cache_dir)
-        eval_ids = (tokenize_cached(self.tokenizer, r.data.eval, r.data.eval_tokens, r.data.cache_dir)
-                    if r.data.eval else None)
+        ids, eval_ids = recipe_tokens(self.tokenizer, r.data)
         if self.d.main:
             self.d.barrier()
+        train_stop = len(ids)
         if eval_ids is None:  # hold out the end of the training tokens
             hold = min(r.data.eval_tokens, len(ids) // 10)
             hold -= hold % r.data.seq_len
-            ids, eval_ids = ids[: len(ids) - hold], ids[len(ids) - hold:]
-        train_blocks = to_blocks(ids, r.data.seq_len)
+            train_stop = len(ids) - hold
+            eval_ids = torch.from_numpy(ids.read(train_stop))
+        train_blocks = TokenBlocks(ids, r.data.seq_len, stop=train_stop)
         self.eval_blocks = to_blocks(eval_ids[: r.data.eval_tokens], r.data.seq_len)
         global_batch = r.train.batch_size * r.train.grad_accum * self.d.world
         if len(train_blocks) < global_batch:
@@ -443,6 +443,7 @@ class _Run:
                 raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "
                                  f"{_brief(theirs.get(key))} vs {_brief(ours[key])}); resume with the recipe it was "
                                  "written with (its recipe.yaml) or start a new output_dir")
+        self._check_data_position(path, state.get("data"))
         weights = _read_weights(path)
         core = _unwrap(self.model)
         if self.recipe.train.parallel == "fsdp" and self.d.world > 1:
@@ -465,6 +466,20 @@ class _Run:
             _set_rng_state(state_io.load_state(path, rng))
         self.step = int(state["step"])
         logger.info("resumed from %s at step %d", path, self.step)
+
+    def _data_position(self) -> dict:
+        """Where the data order stands (the step alone decides it; the rest is checked on resume)."""
+        o = self.order
+        samples = (o.skip_batches + self.step) * o.global_batch
+        return {"samples": samples, "epoch": samples // len(o.blocks), "block_in_epoch": samples % len(o.blocks),
+                "train_blocks": len(o.blocks), "train_tokens": len(o.blocks) * self.recipe.data.seq_len}
+
+    def _check_data_position(self, path: Path, saved: dict | None) -> None:
+        """The order of a resumed run is that of the checkpoint's only over the same training blocks."""
+        if saved is not None and saved["train_blocks"] != len(self.order.blocks):
+            raise TrainError(f"checkpoint {path} was trained on {saved['train_blocks']} blocks of data, this run has "
+                             f"{len(self.order.blocks)} (data.train or data.max_train_tokens changed); resume with "
+                             "the same data or start a new output_dir")
 
     # ---------------------------------------------------------------------------------------------- saving
 
@@ -506,7 +521,7 @@ class _Run:
             r.save(tmp / "recipe.yaml")
             state = {"step": self.step, "tokens": self.step * self.tokens_per_step,
                      "samples": self.step * self.order.global_batch, "world_size": d.world,
-                     "fingerprint": self.fingerprint}
+                     "fingerprint": self.fingerprint, "data": self._data_position()}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         d.barrier()
         if d.main:
@@ -586,7 +601,7 @@ class _Run:
         accum = r.train.grad_accum
         total = 0.0
         for micro in range(accum):
-            ids = self.order.micro_batch(self.step, micro, d.rank).to(d.device)  # (B, S)
+            ids = next(self.batches).to(d.device, non_blocking=True)  # (B, S): this rank's micro-batch
             sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
                 logits = self.forward(input_ids=ids, use_cache=False).logits  # (B, S, V)
@@ -646,6 +661,8 @@ class _Run:
             bar = tqdm(total=r.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
         losses, eval_loss, stopped = [], None, False
         window_tokens, window_start = 0, time.perf_counter()
+        self.batches = iter(micro_batch_loader(self.order, d.rank, self.step, r.train.max_steps, r.data.num_workers,
+                                               pin_memory=d.device.type == "cuda"))
         try:
             while self.step < r.train.max_steps:
                 if d.any(bool(self.stop_requested) or (self.out / STOP_FILE).exists()):
@@ -678,6 +695,7 @@ class _Run:
                 eval_loss = self._log_eval()
                 self.save_checkpoint()
         finally:
+            self.batches = None  # ends the DataLoader's workers
             for s, h in handlers.items():
                 signal.signal(s, h)
             if bar is not None:
