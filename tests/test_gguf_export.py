@@ -204,3 +204,44 @@ def test_llama_cpp_runs_the_export(tiny):
         if len(cpp_ids) == steps:
             break
     assert cpp_ids == torch_ids
+
+
+def test_tlm_export_cli(tiny, tmp_path):
+    """`tlm export CHECKPOINT --to gguf`: a TLM checkpoint in, OUT/model.gguf out; refusals in one line, no output."""
+    from click.testing import CliRunner
+
+    from tiny_sources import tiny_tokenizer
+    from tlm_convert.cli import tlm_main
+
+    _, model, _ = tiny
+    model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer().save_pretrained(tmp_path / "ckpt")
+    runner = CliRunner()
+    ok = runner.invoke(tlm_main, ["export", str(tmp_path / "ckpt"), "--to", "gguf", "-o", str(tmp_path / "g"),
+                                  "--type", "q8_0"])
+    assert ok.exit_code == 0, ok.output
+    fields = _fields(gguf.GGUFReader(tmp_path / "g" / "model.gguf"))
+    assert fields["deci.feed_forward_length"] == WIDTHS and fields["general.file_type"] == 7  # MOSTLY_Q8_0
+    again = runner.invoke(tlm_main, ["export", str(tmp_path / "ckpt"), "--to", "gguf", "-o", str(tmp_path / "g")])
+    assert again.exit_code == 1 and "exists" in again.output
+    bad = runner.invoke(tlm_main, ["export", str(tmp_path / "ckpt"), "--to", "hf", "-o", str(tmp_path / "h"),
+                                   "--type", "q8_0"])
+    assert bad.exit_code == 1 and "q8_0" in bad.output and not (tmp_path / "h").exists()
+    titans = _tapered(tiny[0], mixer="titans")
+    titans.save_pretrained(tmp_path / "titans")
+    refused = runner.invoke(tlm_main, ["export", str(tmp_path / "titans"), "--to", "gguf", "-o", str(tmp_path / "t")])
+    assert refused.exit_code == 1 and "titans" in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.tmp-*"))
+
+
+def test_tlm_convert_export_gguf(tmp_path):
+    """`tlm-convert SRC -o OUT --export gguf`: the converted widths, exactly, in OUT/model.gguf."""
+    from tiny_sources import DATA
+    from tlm_convert.convert import ConvertOptions, convert
+
+    src = make_source(tmp_path / "src")
+    report = convert(str(src), str(tmp_path / "out"),
+                     ConvertOptions(export="gguf", calibration_data=str(DATA), calibration_tokens=1024, seq_len=64,
+                                    batch_size=4, multiple_of=1))
+    fields = _fields(gguf.GGUFReader(tmp_path / "out" / "model.gguf"))
+    assert fields["deci.feed_forward_length"] == report["widths_after"] and len(set(report["widths_after"])) > 1
