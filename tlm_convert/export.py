@@ -597,7 +597,7 @@ def load_tokenizer(source: Source | None):
 
 
 def _model_name(source: Source | None) -> str:
-    return f"{Path(source.path).stem} (tapered)" if source is not None and source.path else "tapered-lm"
+    return Path(source.path).stem if source is not None and source.path else "tapered-lm"
 
 
 def _copy_tokenizer(source: Source | None, out: Path) -> None:
