@@ -169,7 +169,7 @@ def _export_tlm(config: TLMConfig, state_dict, instance, out: Path, max_shard_si
 
 def _export_hf(config: TLMConfig, state_dict, out: Path, fmt: str, source: Source | None, max_shard_size) -> None:
     model_type = target_model_type(config, source)
-    _check_mixers(config, fmt, model_type)
+    check_mixers(config, fmt, model_type)
     widths = list(config.intermediate_sizes)
     if fmt == "padded":
         width = max(widths)
@@ -207,7 +207,7 @@ def _with_widths(config: TLMConfig, widths: list[int]) -> TLMConfig:
     return TLMConfig(**fields)
 
 
-def _check_mixers(config: TLMConfig, fmt: str, target: str) -> None:
+def check_mixers(config: TLMConfig, fmt: str, target: str) -> None:
     others = sorted({m for m in config.mixer if m != "attention"})
     if others:
         layers = [i for i, m in enumerate(config.mixer) if m != "attention"]
@@ -506,7 +506,7 @@ _DECI_FAMILY_REASONS = {
 def check_deci(config: TLMConfig, source: Source | None = None) -> list[float]:
     """The per-layer ``ffn_mult`` values, or ConversionError saying why ``deci`` cannot hold this model."""
     model_type = target_model_type(config, source)
-    _check_mixers(config, "deci", "DeciLM")
+    check_mixers(config, "deci", "DeciLM")
     family = SUPPORTED_ARCHITECTURES.get(model_type, model_type)
     if family != "llama":
         raise ConversionError(f"export 'deci' cannot represent {model_type} ({_DECI_FAMILY_REASONS[family]}); use "
@@ -882,6 +882,7 @@ __all__ = [
     "pad_mlp_state_dict",
     "write_safetensors",
     "check_deci",
+    "check_mixers",
     "ffn_mult_for",
     "deci_width",
     "tapered_modeling_source",

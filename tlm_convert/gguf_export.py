@@ -32,7 +32,7 @@ from tlm import TLMConfig
 from tlm.modules import rope_inv_freq
 
 from .errors import ConversionError, one_line
-from .export import check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
+from .export import check_mixers, check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,7 @@ _TENSOR_NAMES = {
 
 def check_gguf(config: TLMConfig) -> None:
     """ConversionError (one line: why, and what to use instead) unless llama.cpp's deci/llama block is this model."""
-    others = sorted({m for m in config.mixer if m != "attention"})
-    if others:
-        layers = [i for i, m in enumerate(config.mixer) if m != "attention"]
-        where = ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
-        raise ConversionError(f"export 'gguf' cannot represent {'/'.join(others)} layers (layers {where}): "
-                              "llama.cpp runs softmax-attention blocks only; use --export tlm")
+    check_mixers(config, "gguf", "llama.cpp's deci/llama")
     hf_config = uniform_hf_config(config, "llama", None, max(config.intermediate_sizes))
     check_round_trip(hf_config, config, "gguf")  # llama's block: RMSNorm, no q/k norm, no sliding window, ...
     reasons = []
