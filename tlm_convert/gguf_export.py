@@ -188,7 +188,7 @@ def restore_digit_split(tokenizer, gguf_path) -> bool:
 
 def _is_sentencepiece(spec: dict) -> bool:
     model, pre, normalizer = spec["model"], spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}
-    text = json.dumps([pre, normalizer])
+    text = json.dumps([pre, normalizer], ensure_ascii=False)
     return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and "\u2581" in text
 
 
@@ -251,8 +251,9 @@ def write_tokenizer(gguf, writer, tokenizer, n_vocab: int) -> None:
         scores = _spm_scores(vocab, merges)
         writer.add_token_scores([scores.get(i, 0.0 if types[i] == kinds.NORMAL else -1000.0)
                                  for i in range(n_vocab)])
-        writer.add_add_space_prefix('"prepend_scheme": "always"' in json.dumps(spec.get("pre_tokenizer"))
-                                    or "Prepend" in json.dumps(spec.get("normalizer")))
+        pre = json.dumps(spec.get("pre_tokenizer"))
+        writer.add_add_space_prefix('"prepend_scheme": "always"' in pre or '"prepend_scheme": "first"' in pre
+                                    or '"Prepend"' in json.dumps(spec.get("normalizer")))
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_tokenizer_name(spec.get("pre_tokenizer")))
