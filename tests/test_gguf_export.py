@@ -75,7 +75,7 @@ def test_metadata_widths_and_tokenizer(tiny):
     assert fields["deci.rope.freq_base"] == pytest.approx(model.config.rope_parameters["rope_theta"])
     spec = json.loads((out / "tokenizer.json").read_text())
     vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt2"
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
     assert fields["tokenizer.ggml.tokens"][: len(vocab)] == [t for t, _ in vocab]
     assert fields["tokenizer.ggml.merges"] == [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     eos = spec["added_tokens"][0]["id"]

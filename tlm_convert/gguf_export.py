@@ -148,7 +148,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
     kinds = [s.get("type") for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"  # GPT-2's rule, built into ByteLevel
+        return "gpt-2"  # GPT-2's rule, built into ByteLevel
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"  # single digits, then GPT-2's rule (SmolLM, StarCoder)
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
