@@ -213,8 +213,10 @@ def test_smollm2_tokenizer_matches_llama_cpp_converter(tmp_path):
 
 
 def _llama_cpp():
+    """llama-cpp-python, or a skip that says what goes unchecked (-rs prints it in every run)."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return None
+        pytest.skip("llama-cpp-python is not installed, so llama.cpp's run of the GGUF export is not checked "
+                    "(pip install '.[llama]')")
     import llama_cpp
 
     return llama_cpp
@@ -222,9 +224,6 @@ def _llama_cpp():
 
 def test_llama_cpp_runs_the_export(tiny):
     llama_cpp = _llama_cpp()
-    if llama_cpp is None:
-        print("SKIPPED: llama-cpp-python is not installed (pip install '.[llama]' runs llama.cpp on the export)")
-        pytest.skip("llama-cpp-python is not installed (pip install '.[llama]')")
     src, model, out = tiny
     from transformers import AutoTokenizer
 
@@ -254,9 +253,6 @@ def test_llama_cpp_runs_the_export(tiny):
 
 def test_llama_cpp_sentencepiece(spm):
     llama_cpp = _llama_cpp()
-    if llama_cpp is None:
-        print("SKIPPED: llama-cpp-python is not installed (pip install '.[llama]' runs llama.cpp on the export)")
-        pytest.skip("llama-cpp-python is not installed (pip install '.[llama]')")
     tokenizer, model, path = spm
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=1, type_k=0, type_v=0,
                           verbose=False)
