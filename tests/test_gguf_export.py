@@ -322,3 +322,30 @@ def test_smollm2_round_trip_equals_the_source_gguf(tmp_path):
     for name, tensor in ours.items():
         expected = gguf.quants.dequantize(theirs[name].data, theirs[name].tensor_type)
         np.testing.assert_array_equal(np.array(tensor.data), expected.reshape(tensor.data.shape), err_msg=name)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+])
+def test_llama_cpp_rope_scaling(tiny, tmp_path, rope):
+    """Linear (rope.scaling.*) and Llama 3.1 (rope_freqs tensor) RoPE scaling as llama.cpp reads them."""
+    llama_cpp = _llama_cpp()
+    src = tiny[0]
+    model = _tapered(src, rope_parameters=rope, seed=2)
+    path = write_gguf(model.config, model.state_dict(), tmp_path / "m.gguf", _tiny_tokenizer(tiny))
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=1, type_k=0, type_v=0,
+                          verbose=False)
+    ids = list(range(5, 45))
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    with torch.no_grad():
+        mine = model(torch.tensor([ids])).logits[0]
+    assert (theirs - mine).abs().max() <= 1e-3
+
+
+def _tiny_tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny[2]))
