@@ -173,7 +173,7 @@ def _return_freed_memory() -> None:
 @click.option("--mixer", default="attention", show_default=True,
               type=click.Choice(["attention", "gated_attention", "hope_attention", "titans"]))
 @click.option("--export", "export_format", default="tlm", show_default=True,
-              type=click.Choice(["tlm", "hf", "deci", "padded"]))
+              type=click.Choice(["tlm", "hf", "deci", "padded", "gguf"]))
 @click.option("--eval-data", default=None, help="Held-out text for perplexity before/after ('default-eval': bundled).")
 @click.option("--eval-tokens", type=int, default=16384, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -354,6 +354,25 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
     click.echo(f"rho_z by layer: {' '.join(f'{v:.3f}' for v in result.z.mean)}")
     click.echo(f"pearson r(depth, rho): h {fmt(result.h.pearson_r)}, z {fmt(result.z.pearson_r)} "
                f"({result.n_tokens} tokens per layer, {result.seconds:.1f}s)")
+
+
+@tlm_main.command("export", cls=_Command)
+@click.argument("model_path")
+@click.option("--to", "fmt", required=True, type=click.Choice(["tlm", "hf", "deci", "padded", "gguf"]),
+              help="Checkpoint format (gguf: OUTPUT/model.gguf for llama.cpp).")
+@click.option("-o", "--output", required=True, help="Output folder (refused if it exists; written atomically).")
+@click.option("--type", "weight_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
+              help="Weight type [f32]; q8_0 for gguf only (other llama.cpp types: llama-quantize).")
+def export_command(model_path, fmt, output, weight_type):
+    """Write MODEL_PATH (TLM or converted checkpoint, transformers folder, .gguf) in another format."""
+    try:
+        from .export import export_checkpoint
+
+        _quiet_libraries()
+        export_checkpoint(resolve_builtin(model_path), output, fmt, weight_type)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        _report_failure(err)
+    click.echo(f"wrote {output} ({fmt} format)")
 
 
 __all__ = ["convert_main", "tlm_main"]

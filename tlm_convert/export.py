@@ -43,7 +43,7 @@ from .archs import (
 from .checkpoint import Source, check_tlm_state_dict
 from .errors import ConversionError, one_line
 
-FORMATS = ("tlm", "hf", "deci", "padded")
+FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
 
 # model_type -> (transformers module, base model class, causal LM class, MLP class, layer list, base attribute)
@@ -66,12 +66,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None, *,
-                 max_shard_size: int | str = "5GB") -> Path:
+                 max_shard_size: int | str = "5GB", gguf_type: str | None = None) -> Path:
     """Write ``model`` (a TLMForCausalLM, or a (TLMConfig, state_dict) pair with TLM names) to ``out_dir``.
 
     ``source`` (the loaded source model, optional) decides the architecture of the ``hf`` / ``padded`` / ``deci``
     views and supplies the tokenizer and generation config. Without it the architecture is inferred from the
-    TLM block options. Returns ``Path(out_dir)``.
+    TLM block options. ``gguf_type``: the weight type of a ``gguf`` export (gguf_export.WEIGHT_TYPES; default the
+    dtype of the weights). Returns ``Path(out_dir)``.
     """
     if fmt not in FORMATS:
         raise ConversionError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -82,6 +83,10 @@ def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None,
         _export_tlm(config, state_dict, instance, out, max_shard_size)
     elif fmt == "deci":
         _export_deci(config, state_dict, out, source, max_shard_size)
+    elif fmt == "gguf":  # one file for llama.cpp: gguf_export.py
+        from .gguf_export import GGUF_FILE, write_gguf
+
+        write_gguf(config, state_dict, out / GGUF_FILE, load_tokenizer(source), gguf_type, name=_model_name(source))
     else:
         _export_hf(config, state_dict, out, fmt, source, max_shard_size)
     _copy_tokenizer(source, out)
@@ -110,6 +115,40 @@ def _state_dtype(state_dict) -> torch.dtype:
     return torch.float32
 
 
+def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = None) -> Path:
+    """``tlm export``: an existing checkpoint (TLM, converted, transformers folder or .gguf) written as ``fmt``
+    into ``out_dir`` (which must not exist; written through a temporary folder, so a failure leaves nothing).
+
+    ``weight_type``: f32 / f16 / bf16 (every format) or q8_0 (gguf only); default f32.
+    """
+    import shutil
+    import tempfile
+
+    from .checkpoint import load_source
+    from .convert import publish
+
+    dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    if weight_type is not None and weight_type not in dtypes and not (fmt == "gguf" and weight_type == "q8_0"):
+        raise ConversionError(f"weight type {weight_type!r} is not available for --to {fmt}; use one of "
+                              f"{', '.join(dtypes)}{', q8_0' if fmt == 'gguf' else ''}")
+    out = Path(out_dir)
+    if out.exists():
+        raise ConversionError(f"output '{out}' exists; choose a new folder")
+    src = load_source(model_path)
+    state = src.state_dict
+    if fmt != "gguf" and weight_type is not None:
+        state = {k: v.to(dtypes[weight_type]) if v.is_floating_point() else v for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 # ============================================================================================== tlm
 
 
@@ -130,7 +169,7 @@ def _export_tlm(config: TLMConfig, state_dict, instance, out: Path, max_shard_si
 
 def _export_hf(config: TLMConfig, state_dict, out: Path, fmt: str, source: Source | None, max_shard_size) -> None:
     model_type = target_model_type(config, source)
-    _check_mixers(config, fmt, model_type)
+    check_mixers(config, fmt, model_type)
     widths = list(config.intermediate_sizes)
     if fmt == "padded":
         width = max(widths)
@@ -168,7 +207,7 @@ def _with_widths(config: TLMConfig, widths: list[int]) -> TLMConfig:
     return TLMConfig(**fields)
 
 
-def _check_mixers(config: TLMConfig, fmt: str, target: str) -> None:
+def check_mixers(config: TLMConfig, fmt: str, target: str) -> None:
     others = sorted({m for m in config.mixer if m != "attention"})
     if others:
         layers = [i for i, m in enumerate(config.mixer) if m != "attention"]
@@ -467,7 +506,7 @@ _DECI_FAMILY_REASONS = {
 def check_deci(config: TLMConfig, source: Source | None = None) -> list[float]:
     """The per-layer ``ffn_mult`` values, or ConversionError saying why ``deci`` cannot hold this model."""
     model_type = target_model_type(config, source)
-    _check_mixers(config, "deci", "DeciLM")
+    check_mixers(config, "deci", "DeciLM")
     family = SUPPORTED_ARCHITECTURES.get(model_type, model_type)
     if family != "llama":
         raise ConversionError(f"export 'deci' cannot represent {model_type} ({_DECI_FAMILY_REASONS[family]}); use "
@@ -541,14 +580,33 @@ def _export_deci(config: TLMConfig, state_dict, out: Path, source: Source | None
 # ============================================================================================== tokenizer etc.
 
 
+def load_tokenizer(source: Source | None):
+    """The source's tokenizer (AutoTokenizer), None when it has none. Read from a GGUF, it gets back the digit
+    split transformers' GGUF reader drops (gguf_export.restore_digit_split)."""
+    if source is None or source.tokenizer_source is None:
+        return None
+    from .remote_code import auto_tokenizer
+
+    path, kwargs = source.tokenizer_kwargs()
+    tokenizer = auto_tokenizer(path, **kwargs)
+    if "gguf_file" in kwargs:
+        from .gguf_export import restore_digit_split
+
+        restore_digit_split(tokenizer, Path(path) / kwargs["gguf_file"])
+    return tokenizer
+
+
+def _model_name(source: Source | None) -> str:
+    return Path(source.path).stem if source is not None and source.path else "tapered-lm"
+
+
 def _copy_tokenizer(source: Source | None, out: Path) -> None:
     if source is None or source.tokenizer_source is None:
         return
     path, kwargs = source.tokenizer_kwargs()
     try:
-        from .remote_code import auto_tokenizer
-
-        auto_tokenizer(path, **kwargs).save_pretrained(str(out))
+        load_tokenizer(source).save_pretrained(str(out))
+        portable_tokenizer_config(out)
         return
     except Exception as err:
         problem = one_line(err)
@@ -562,6 +620,27 @@ def _copy_tokenizer(source: Source | None, out: Path) -> None:
     if not copied:
         warnings.warn(f"the tokenizer of '{path}' could not be copied ({problem}); add the tokenizer files to "
                       f"'{out}' by hand", stacklevel=3)
+
+
+# what transformers 5 writes after reading a GGUF or a tokenizer.json alone; transformers 4.x has no such class
+_V5_ONLY_TOKENIZER_CLASSES = ("TokenizersBackend",)
+
+
+def portable_tokenizer_config(out: Path) -> None:
+    """tokenizer_config.json that transformers 4.x and 5.x both load without remote code: a v5-only class name
+    becomes PreTrainedTokenizerFast (the tokenizer.json beside it is the whole tokenizer); no tokenizer auto_map
+    unless the class is the source's own code (copied beside it, loaded only with trust_remote_code)."""
+    path = out / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    if fields.get("tokenizer_class") in _V5_ONLY_TOKENIZER_CLASSES and (out / "tokenizer.json").is_file():
+        fields["tokenizer_class"] = "PreTrainedTokenizerFast"
+    import transformers
+
+    if hasattr(transformers, str(fields.get("tokenizer_class"))):
+        fields.pop("auto_map", None)
+    path.write_text(json.dumps(fields, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_generation_config(source: Source | None, instance, fmt: str, out: Path) -> None:
@@ -797,6 +876,9 @@ __all__ = [
     "FORMATS",
     "STOCK_CLASSES",
     "export_model",
+    "export_checkpoint",
+    "load_tokenizer",
+    "portable_tokenizer_config",
     "target_model_type",
     "uniform_hf_config",
     "check_round_trip",
@@ -804,6 +886,7 @@ __all__ = [
     "pad_mlp_state_dict",
     "write_safetensors",
     "check_deci",
+    "check_mixers",
     "ffn_mult_for",
     "deci_width",
     "tapered_modeling_source",
