@@ -17,8 +17,8 @@ TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with 
 folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
 settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
 
-``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names), for
-streaming conversions that must not hold the whole model in memory.
+``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names);
+tlm_convert.stream reads one layer at a time (TLM names) for the low-memory policy.
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ from .archs import (
 )
 from .errors import ConversionError, one_line
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+# the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "spiece.model")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # safetensors files in a folder that are not (part of) the transformers checkpoint
 _FOREIGN_SAFETENSORS = re.compile(r"(adapter_model|consolidated)(\.\d+)?\.safetensors")
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -124,7 +127,7 @@ class LazyTensors(Mapping):
         return self._files[name]
 
 
-def _corrupt(file, err) -> ConversionError:
+def corrupt_error(file, err) -> ConversionError:
     return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
 
 
@@ -136,7 +139,7 @@ def _open_safetensors(file: Path):
     except FileNotFoundError:
         raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
     except Exception as err:  # SafetensorError (header), OSError, ...
-        raise _corrupt(file, err) from None
+        raise corrupt_error(file, err) from None
 
 
 def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
@@ -162,7 +165,7 @@ def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
                 view = handle.get_slice(name)
                 shapes[name], dtypes[name] = tuple(view.get_shape()), view.get_dtype()
             except Exception as err:
-                raise _corrupt(file, err) from None
+                raise corrupt_error(file, err) from None
             loaders[name] = _safetensors_loader(handle, file, name)
             where[name] = str(file)
     return LazyTensors(loaders, shapes, dtypes, where)
@@ -173,7 +176,7 @@ def _safetensors_loader(handle, file, name):
         try:
             return handle.get_tensor(name)
         except Exception as err:
-            raise _corrupt(file, err) from None
+            raise corrupt_error(file, err) from None
 
     return load
 
@@ -256,7 +259,7 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                                      (BIN_INDEX, "pytorch_model.bin", "bin")):
         index = folder / index_name
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"'{index}' has no weight_map; re-download the checkpoint")
             shards = [folder / name for name in sorted(set(weight_map.values()))]
@@ -274,7 +277,7 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                           "or pytorch_model.bin); download the weights too")
 
 
-def _read_json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
@@ -324,7 +327,7 @@ def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.floa
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
-        if _HUB_ID.fullmatch(text) and ".." not in text:
+        if HUB_ID.fullmatch(text) and ".." not in text:
             path = _download(text)
         else:
             raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "
@@ -402,7 +405,7 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
                                   "base model (merge_and_unload + save_pretrained) and convert that folder")
         raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
                               "model.safetensors), a .gguf file or a TLM checkpoint folder")
-    raw = _read_json(config_file)
+    raw = read_json(config_file)
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
@@ -411,8 +414,8 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     hf_config = read_hf_config(path, raw)
     weight_files(path)  # "config without weights" before anything is read
     tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
-    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
-                    generation_config=_generation_config(path))
+    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=tokenizer_folder(path),
+                    generation_config=generation_config_of(path))
 
 
 def read_hf_config(path: Path, raw: dict):
@@ -435,11 +438,11 @@ def read_hf_config(path: Path, raw: dict):
     return hf_config
 
 
-def _tokenizer_folder(path: Path) -> str | None:
+def tokenizer_folder(path: Path) -> str | None:
     return str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
 
 
-def _generation_config(path: Path):
+def generation_config_of(path: Path):
     if not (path / "generation_config.json").is_file():
         return None
     from transformers import GenerationConfig
@@ -509,8 +512,8 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     check_tlm_state_dict(config, tensors, where=str(path))
     return Source(kind="tlm", path=str(path), hf_config=None, family="tlm", tlm_config=config, state_dict=tensors,
-                  tokenizer_source=_tokenizer_folder(path), num_params=count_params(tensors),
-                  generation_config=_generation_config(path), notes=notes)
+                  tokenizer_source=tokenizer_folder(path), num_params=count_params(tensors),
+                  generation_config=generation_config_of(path), notes=notes)
 
 
 def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:

@@ -274,9 +274,8 @@ def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
 
         from tlm_train.evaluate import strided_perplexity
 
-        from .checkpoint import load_source
-        from .convert import ConvertOptions, _build_model
         from .data import load_text
+        from .load import load_model
 
         _quiet_libraries()
         stride = max(1, seq_len // 2) if stride is None else stride
@@ -287,8 +286,7 @@ def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size):
         if seq_len < 2 or stride > seq_len:
             raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
                                   "stride <= seq-len")
-        src = load_source(resolve_builtin(model_path))
-        model, tokenizer = _build_model(src, ConvertOptions())
+        model, tokenizer, _ = load_model(model_path)
         ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
         if len(ids) < 2:
             raise ConversionError(f"evaluation data has {len(ids)} tokens; pass more text")
@@ -316,9 +314,8 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output):
 
         from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
 
-        from .checkpoint import load_source
-        from .convert import ConvertOptions, _build_model
         from .data import load_text, token_blocks
+        from .load import load_model
 
         _quiet_libraries()
         for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
@@ -327,8 +324,7 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output):
         if output is not None and Path(output).exists() and not Path(output).is_dir():
             raise ConversionError(f"option -o {output}: exists and is not a folder")
         t0 = time.perf_counter()
-        src = load_source(resolve_builtin(model_path))
-        model, tokenizer = _build_model(src, ConvertOptions())
+        model, tokenizer, _ = load_model(model_path)
         blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
         load_s = time.perf_counter() - t0
         result = residual_alignment(model, blocks, batch_size=batch_size, data=data)

@@ -40,7 +40,7 @@ from .archs import (
     TENSOR_TABLES,
     tlm_config_from_hf,
 )
-from .checkpoint import Source, check_tlm_state_dict
+from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict
 from .errors import ConversionError, one_line
 
 FORMATS = ("tlm", "hf", "deci", "padded")
@@ -57,9 +57,6 @@ STOCK_CLASSES: dict[str, tuple[str, str, str, str, str, str]] = {
 }
 WIDTH_KEY = {model_type: ("n_inner" if model_type == "gpt2" else "intermediate_size") for model_type in STOCK_CLASSES}
 
-# Files copied verbatim when the tokenizer cannot be re-saved through AutoTokenizer.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 # ============================================================================================== entry point
@@ -84,8 +81,8 @@ def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None,
         _export_deci(config, state_dict, out, source, max_shard_size)
     else:
         _export_hf(config, state_dict, out, fmt, source, max_shard_size)
-    _copy_tokenizer(source, out)
-    _write_generation_config(source, instance, fmt, out)
+    copy_tokenizer(source, out)
+    write_generation_config(source, instance, fmt, out)
     return out
 
 
@@ -541,7 +538,7 @@ def _export_deci(config: TLMConfig, state_dict, out: Path, source: Source | None
 # ============================================================================================== tokenizer etc.
 
 
-def _copy_tokenizer(source: Source | None, out: Path) -> None:
+def copy_tokenizer(source: Source | None, out: Path) -> None:
     if source is None or source.tokenizer_source is None:
         return
     path, kwargs = source.tokenizer_kwargs()
@@ -554,7 +551,7 @@ def _copy_tokenizer(source: Source | None, out: Path) -> None:
         problem = one_line(err)
     copied = []
     if not kwargs and Path(path).is_dir():
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:  # copied verbatim when the tokenizer cannot be re-saved
             file = Path(path) / name
             if file.is_file():
                 (out / name).write_bytes(file.read_bytes())
@@ -564,7 +561,7 @@ def _copy_tokenizer(source: Source | None, out: Path) -> None:
                       f"'{out}' by hand", stacklevel=3)
 
 
-def _write_generation_config(source: Source | None, instance, fmt: str, out: Path) -> None:
+def write_generation_config(source: Source | None, instance, fmt: str, out: Path) -> None:
     generation_config = getattr(source, "generation_config", None) if source is not None else None
     if generation_config is None and fmt != "tlm":  # save_pretrained already wrote the model's own
         generation_config = getattr(instance, "generation_config", None)

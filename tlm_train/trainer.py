@@ -153,25 +153,21 @@ def build_model_and_tokenizer(recipe: Recipe):
 def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True):
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false)."""
-    from tlm_convert.checkpoint import load_source, resolve_builtin
-    from tlm_convert.convert import materialize
     from tlm_convert.errors import ConversionError
+    from tlm_convert.load import load_model
+    from tlm_convert.load import load_tokenizer as source_tokenizer
 
     try:
-        src = load_source(resolve_builtin(path))
+        model, _, src = load_model(path, with_tokenizer=False)
     except ConversionError as err:
         raise TrainError(str(err)) from None
-    model = materialize(src.tlm_config, src.state_dict)
     if not with_tokenizer:
         return model, None
     if tokenizer_name is not None:
         return model, load_tokenizer(tokenizer_name)
-    kwargs = src.tokenizer_kwargs()
-    if kwargs is None:
+    if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    from transformers import AutoTokenizer
-
-    return model, AutoTokenizer.from_pretrained(kwargs[0], **kwargs[1])
+    return model, source_tokenizer(src)
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
