@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_convert.archs import SUPPORTED_ARCHITECTURES
-from tlm_convert.cli import convert_main, tlm_main
+from tlm_convert.cli import convert_main
+from tlm_train.cli import tlm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "2048", "--seq-len", "64", "--batch-size", "4",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tlm import parse_ratio, taper_widths
+from tlm import MIXERS, parse_ratio, taper_widths
 
 from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, convert_layers
 from .checkpoint import load_source
@@ -41,8 +41,7 @@ from .upcycle import upcycle, upcycled_config
 logger = logging.getLogger(__name__)
 
 PHASES = ("load", "calibrate", "rank", "resize", "save", "eval")
-MIXER_CHOICES = ("attention", "gated_attention", "hope_attention", "titans")
-SCHEDULE_CHOICES = ("cosine", "linear", "sigmoid", "uniform", "three-group")
+MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
 
@@ -163,6 +162,7 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
         evalb = eval_blocks(tokenizer, opts)
     report = report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes) + notes
+    report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
     settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
                              refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
     if model is None:
@@ -330,6 +330,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mb() -> float | None:
+    """The resident set now (Linux /proc; None elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 __all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "eval_blocks", "report_head", "publish",
-           "PhaseTimer", "PHASES", "MIXER_CHOICES", "SCHEDULE_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
+           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
 

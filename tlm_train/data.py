@@ -143,7 +143,7 @@ class _Continued(str):
 
 
 def _documents(source: str):
-    from tlm_convert.data import _dataset_rows
+    from tlm_convert.data import dataset_rows
 
     path = BUNDLED.get(source, Path(source).expanduser())
     if path.is_file() and path.suffix.lower() in (".txt", ".md"):
@@ -155,7 +155,7 @@ def _documents(source: str):
             yield text[start:end] if start == 0 else _Continued(text[start:end])
             start = end
         return
-    yield from _dataset_rows(path, source)
+    yield from dataset_rows(path, source)
 
 
 def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:

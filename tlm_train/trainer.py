@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tlm_convert.perplexity import nll_sum
+
 from .data import BatchOrder, load_tokenizer, to_blocks, tokenize_cached
 from .recipe import Recipe, RecipeError
 
@@ -545,10 +547,10 @@ class _Run:
         total, count = 0.0, 0
         for i in range(0, len(blocks), bs):
             ids = blocks[i : i + bs].long().to(d.device)
-            with self._autocast():
+            with self._autocast():  # through the (DDP/FSDP) wrapper's forward, whose hooks gather the weights
                 logits = self.model(input_ids=ids, use_cache=False).logits
-            n = ids.shape[0] * (ids.shape[1] - 1)
-            total, count = total + float(lm_loss(logits, ids)) * n, count + n
+            part, n = nll_sum(lambda x: x, logits, ids)  # the logits upcast to fp32 in chunks
+            total, count = total + part, count + n
         self.model.train()
         if d.world > 1:
             t = torch.tensor([total, count], dtype=torch.float64, device=d.device)
