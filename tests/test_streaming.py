@@ -13,10 +13,12 @@ from transformers import AutoModelForCausalLM
 import tlm_convert.convert as convert_module
 from tlm_convert import report
 from tlm_convert.calibrate import LOW_MEMORY
+from tlm_convert.checkpoint import load_source
 from tlm_convert.compensate import refit_down_proj, refit_kept
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.errors import ConversionError
 from tlm_convert.importance import ActivationStats
+from tlm_convert.stream import open_stream
 
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=512, seq_len=64, batch_size=4, multiple_of=1,
             importance="activation")
@@ -137,16 +139,47 @@ def test_unsupported_options_are_refused(change, message, sources, tmp_path):
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
 
 
-def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
-    (tmp_path / "bin").mkdir()
+def _bin_copy(folder, out):
+    out.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "bin" / name).write_bytes((sources["llama"] / name).read_bytes())
-    torch.save(load_file(sources["llama"] / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
+        (out / name).write_bytes((folder / name).read_bytes())
+    torch.save(load_file(folder / "model.safetensors"), out / "pytorch_model.bin")
+    return out
+
+
+def test_streamed_sources_read_the_loaded_tensors(sources, tmp_path):
+    """Every source format streams (safetensors, .bin, llama GGUF): layer by layer, the tensors load_source reads."""
+    from test_checkpoint import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf)
+    for source in (sources["llama"], sources["gpt2"], _bin_copy(sources["llama"], tmp_path / "bin"), gguf):
+        whole, streamed = load_source(source), open_stream(source)
+        assert (streamed.kind, streamed.family) == (whole.kind, whole.family)
+        assert streamed.tlm_config.to_dict() == whole.tlm_config.to_dict()
+        assert streamed.num_params == whole.num_params and streamed.notes == whole.notes
+        assert streamed.tokenizer_kwargs() == whole.tokenizer_kwargs()
+        names = [n for i in range(whole.tlm_config.num_hidden_layers) for n in streamed.layer_names(i)]
+        names += streamed.other_names()
+        expected = {k for k in whole.state_dict if not (k == "lm_head.weight" and whole.tlm_config.tie_word_embeddings)}
+        assert sorted(names) == sorted(expected)
+        for name, tensor in streamed.read(names).items():
+            assert torch.equal(tensor, whole.state_dict[name]), (source, name)
+
+
+def test_a_bin_checkpoint_streams_to_the_in_memory_tensors(sources, in_memory, tmp_path):
+    full_dir, _ = in_memory("llama", {})
+    convert(str(_bin_copy(sources["llama"], tmp_path / "bin")), str(tmp_path / "low"),
+            ConvertOptions(low_memory=True, **OPTS))
+    a, b = _tensors(full_dir), _tensors(tmp_path / "low")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     opts = ConvertOptions(low_memory=True, **OPTS)
-    for source, message in ((tmp_path / "bin", "PyTorch .bin weights; --low-memory streams safetensors only"),
-                            (gguf, "GGUF.*drop --low-memory"), ("someorg/somemodel", "not a local folder")):
+    for source, message in ((gguf, "cannot be read as GGUF"), ("someorg/somemodel", "not a local folder")):
         with pytest.raises(ConversionError, match=message):
             convert(str(source), str(tmp_path / "out"), opts)
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")

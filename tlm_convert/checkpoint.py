@@ -252,6 +252,51 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
+class BinTensors(Mapping):
+    """name -> tensor of a set of PyTorch .bin shards, one tensor at a time: each access maps its shard
+    (``torch.load(weights_only=True, mmap=True)``: no pickled code runs), copies the tensor out and lets go of the
+    mapping. Legacy (non-zip) files cannot be mapped and are refused."""
+
+    def __init__(self, files):
+        self._where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        for file in files:
+            for name, tensor in self._map(file).items():
+                self._where[name] = (file, tuple(tensor.shape))
+
+    @staticmethod
+    def _map(file: Path) -> dict[str, torch.Tensor]:
+        try:
+            obj = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" in str(err):
+                raise ConversionError(f"'{file}' is a legacy PyTorch file, which cannot be read one tensor at a "
+                                      "time; drop --low-memory, or re-save the model with save_pretrained") from None
+            return _load_bin(file)  # the same file, whose errors _load_bin reports
+        except Exception:
+            return _load_bin(file)
+        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            obj = obj["state_dict"]
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return _load_bin(file)
+        return obj
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file = self._where[name][0]
+        return self._map(file)[name].clone()
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][1]
+
+    def file(self, name: str) -> str:
+        return str(self._where[name][0])
+
+
 def weight_files(folder: Path) -> tuple[str, list[Path]]:
     """("safetensors" | "bin", files) of a checkpoint folder, in transformers' order of preference."""
     folder = Path(folder)
@@ -568,60 +613,88 @@ def _unpermute_gguf_rows(weights, n_head: int):
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The tensors of a llama-architecture GGUF under transformers names, dequantised one at a time from the
-    memory-mapped file: the same values as transformers' GGUF loader (which builds a whole model and a second
-    copy of every tensor). None for files this reader does not map (other architectures, biases, extra tensors,
-    a tied config with an output.weight): the caller then loads through transformers."""
-    import numpy as np
+class GGUFTensors(Mapping):
+    """transformers name -> fp32 tensor of a llama-architecture GGUF file, dequantised on access from the
+    memory-mapped file (Q/K rows un-permuted): the values of transformers' GGUF loader, one tensor at a time.
+    ``open`` returns None for files this reader does not map (other architectures, biases, extra tensors, a tied
+    config with an output.weight)."""
 
-    try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-    except ImportError:
-        return None
-    try:
-        reader = GGUFReader(str(file))
-        field = reader.fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
-        if arch != "llama" or hf_config.model_type != "llama":
+    def __init__(self, file: Path, reader, names: dict[str, str], heads: dict[str, int]):
+        self.path, self._reader, self._heads = file, reader, heads
+        self._tensors = {names[t.name]: t for t in reader.tensors}
+
+    @classmethod
+    def open(cls, file: Path, hf_config) -> GGUFTensors | None:
+        try:
+            from gguf import GGUFReader
+        except ImportError:
             return None
-        heads = reader.fields.get("llama.attention.head_count")
-        kv_heads = reader.fields.get("llama.attention.head_count_kv")
-        names = {t.name: _gguf_llama_name(t.name) for t in reader.tensors}
-    except Exception:  # unreadable here: transformers' loader reports it
-        return None
-    if heads is None or kv_heads is None or None in names.values():
-        return None
-    if _is_tied(hf_config) and "output.weight" in names:
-        return None
-    n_head, n_kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    tensors = {}
-    for tensor in reader.tensors:
+        try:
+            reader = GGUFReader(str(file))
+            field = reader.fields.get("general.architecture")
+            arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+            if arch != "llama" or hf_config.model_type != "llama":
+                return None
+            heads = reader.fields.get("llama.attention.head_count")
+            kv_heads = reader.fields.get("llama.attention.head_count_kv")
+            names = {t.name: _gguf_llama_name(t.name) for t in reader.tensors}
+        except Exception:  # unreadable here: transformers' loader reports it
+            return None
+        if heads is None or kv_heads is None or None in names.values():
+            return None
+        if _is_tied(hf_config) and "output.weight" in names:
+            return None
+        return cls(file, reader, names, {".attn_q.": hf_config.num_attention_heads,
+                                         ".attn_k.": hf_config.num_key_value_heads})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import numpy as np
+        from gguf.quants import dequantize
+
+        tensor = self._tensors[name]
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)
         except Exception as err:
-            raise ConversionError(f"'{file}' cannot be read as GGUF ({one_line(err)}); it is corrupt or truncated, "
-                                  "re-download it") from None
-        if ".attn_q." in tensor.name:
-            weights = _unpermute_gguf_rows(weights, n_head)
-        elif ".attn_k." in tensor.name:
-            weights = _unpermute_gguf_rows(weights, n_kv)
+            raise ConversionError(f"'{self.path}' cannot be read as GGUF ({one_line(err)}); it is corrupt or "
+                                  "truncated, re-download it") from None
+        for part, n_head in self._heads.items():
+            if part in tensor.name:
+                weights = _unpermute_gguf_rows(weights, n_head)
         value = torch.from_numpy(np.copy(weights)).to(torch.float32)
         del weights
-        name = names[tensor.name]
-        tensors[name] = _prepare(name, value, file, dtype, True)
+        return value
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))  # GGUF lists the fastest axis first
+
+    def file(self, name: str) -> str:
+        return str(self.path)
+
+
+def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Every tensor of a llama-architecture GGUF (:class:`GGUFTensors`), read one at a time; None for files that
+    reader does not map (the caller then loads through transformers)."""
+    lazy = GGUFTensors.open(file, hf_config)
+    if lazy is None:
+        return None
+    tensors = {name: _prepare(name, lazy[name], file, dtype, True) for name in lazy}
     if _is_tied(hf_config) and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
 
 
-def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def read_gguf_config(file: Path):
+    """The transformers config of a .gguf file (its model type checked); ConversionError when it cannot be read."""
+    from transformers import AutoConfig
 
-    folder, name = str(file.parent), file.name
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        hf_config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
     except ImportError:
         raise ConversionError("reading .gguf files needs the gguf package; pip install 'gguf>=0.10' "
                               "(or tapered-lm[gguf])") from None
@@ -634,6 +707,14 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(hf_config.model_type, None, file)
+    return hf_config
+
+
+def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(file.parent), file.name
+    hf_config = read_gguf_config(file)
     tensors = _read_gguf_tensors(file, hf_config, dtype)
     if tensors is not None:  # read tensor by tensor: no transformers model, no second copy of the weights
         from transformers import GenerationConfig
@@ -657,6 +738,9 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 __all__ = [
     "Source",
     "LazyTensors",
+    "GGUFTensors",
+    "BinTensors",
+    "read_gguf_config",
     "load_source",
     "open_safetensors_lazy",
     "iter_source_tensors",

@@ -149,8 +149,8 @@ def _return_freed_memory() -> None:
     """glibc only: serve allocations of 1 MiB and more with mmap, so that freed tensors go back to the system.
 
     Without this, glibc raises its mmap threshold as large blocks are freed and then serves the per-layer tensors
-    of the calibration from the heap, whose freed holes are never returned: on SmolLM2-135M about 500 MB of
-    resident memory that no tensor uses (measured in bench/RESULTS.md). Values are unchanged; elsewhere a no-op.
+    of the calibration from the heap, whose freed holes are never returned: resident memory that no tensor uses
+    (bench/RESULTS.md has the measurement). Values are unchanged; elsewhere a no-op.
     """
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):  # the user chose
         return

@@ -1,4 +1,4 @@
-"""Writing a TLM (tapered or not) in one of four checkpoint formats (design: surgery.md §6).
+"""Writing a TLM (tapered or not) in one of four checkpoint formats.
 
 ``export_model(model_or_(config, state_dict), out_dir, fmt, source)`` with ``fmt``:
 

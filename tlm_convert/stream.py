@@ -1,5 +1,5 @@
-"""The low-memory policy's source and sink: a safetensors checkpoint read one layer at a time, and the converted
-model written one layer at a time as its own shard.
+"""The low-memory policy's source and sink: a checkpoint (safetensors or .bin folder, llama GGUF) read one layer at a
+time, and the converted model written one layer at a time as its own shard.
 
 :func:`open_stream` reads the headers (no data) and checks names and shapes against the TLM the config describes.
 :class:`StreamedLayers` is the :class:`~tlm_convert.calibrate.Layers` of :func:`~tlm_convert.calibrate.convert_layers`
@@ -11,8 +11,9 @@ for it::
     final norm (+ lm_head) -> last shard; model.safetensors.index.json, config.json + the TLM remote code
     (auto_map), tokenizer, generation config
 
-At any moment one decoder layer's weights are in memory. Tensors are read with plain file reads, not memory maps
-(a mapped checkpoint's pages count in the process's resident set). ``--mixer titans`` (its fresh weights come from
+At any moment one decoder layer's weights are in memory. Safetensors are read with plain file reads, not memory maps
+(a mapped checkpoint's pages count in the process's resident set); a .bin shard is mapped for one tensor at a time,
+a GGUF file is mapped and dequantised tensor by tensor (checkpoint.BinTensors, checkpoint.GGUFTensors). ``--mixer titans`` (its fresh weights come from
 the whole model's seeded init) and exports other than ``tlm`` need the whole model: :func:`check_streamable`
 refuses them once, before anything is read.
 """
@@ -50,9 +51,12 @@ from .archs import (
 )
 from .checkpoint import (
     HUB_ID,
+    BinTensors,
+    GGUFTensors,
     corrupt_error,
     generation_config_of,
     read_hf_config,
+    read_gguf_config,
     read_json,
     tokenizer_folder,
     weight_files,
@@ -87,17 +91,17 @@ def check_streamable(opts) -> None:
 
 @dataclass
 class StreamSource:
-    """A safetensors checkpoint read tensor by tensor: TLM name -> (source name, transform, part) in ``targets``.
+    """A checkpoint read tensor by tensor: TLM name -> (source name, transform, part) in ``targets``.
     Answers what :class:`~tlm_convert.checkpoint.Source` answers, without its ``state_dict``."""
 
-    kind: str  # "hf" or "tlm"
+    kind: str  # "hf", "gguf" or "tlm"
     path: str
     family: str
     tlm_config: TLMConfig
     tensors: SafetensorsFiles
     targets: dict[str, tuple[str, str, int]]
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
-    tokenizer_source: str | None
+    tokenizer_source: str | tuple[str, str] | None  # as Source.tokenizer_source
     generation_config: object | None
     notes: list[str] = field(default_factory=list)
 
@@ -106,6 +110,8 @@ class StreamSource:
         return sum(math.prod(s) for s in self.shapes.values())
 
     def tokenizer_kwargs(self) -> tuple[str, dict] | None:
+        if isinstance(self.tokenizer_source, tuple):
+            return self.tokenizer_source[0], {"gguf_file": self.tokenizer_source[1]}
         return None if self.tokenizer_source is None else (self.tokenizer_source, {})
 
     def layer_names(self, i: int) -> list[str]:
@@ -233,59 +239,71 @@ def _all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
 
 
 def open_stream(source) -> StreamSource:
-    """Open a local transformers (or TLM) safetensors folder for streaming; everything else is refused."""
+    """Open a local checkpoint for streaming: a transformers or TLM folder (safetensors, or zip-format .bin), or a
+    llama-architecture .gguf file (or a folder holding exactly one); everything else is refused."""
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
         if HUB_ID.fullmatch(text) and ".." not in text:
-            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local safetensors folder: "
-                                  f"download it first (hf download {text} --local-dir DIR) and pass DIR, or drop "
-                                  "--low-memory")
+            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local checkpoint: download "
+                                  f"it first (hf download {text} --local-dir DIR) and pass DIR, or drop --low-memory")
         raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder (config.json + "
-                              "model.safetensors)")
+                              "model.safetensors) or a .gguf file")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            raise _gguf_refused(path)
+            return _open_gguf(path)
         if path.name != "config.json":
             raise ConversionError(f"'{path}' is a file; --low-memory streams a transformers model folder (config.json "
-                                  "+ *.safetensors): pass the folder, or drop --low-memory")
+                                  "+ weights) or a .gguf file: pass the folder, or drop --low-memory")
         path = path.parent
     if not (path / "config.json").is_file():
-        if any(path.glob("*.gguf")):
-            raise _gguf_refused(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _open_gguf(ggufs[0])
         raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
-                              "model.safetensors)")
+                              "model.safetensors) or a .gguf file")
     raw = read_json(path / "config.json")
     kind, files = weight_files(path)
-    if kind != "safetensors":
-        raise ConversionError(f"'{path}' holds PyTorch .bin weights; --low-memory streams safetensors only: drop "
-                              "--low-memory, or re-save the model with save_pretrained(..., safe_serialization=True)")
-    tensors, notes = SafetensorsFiles(files), []
+    tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []
     if raw.get("model_type") == "tlm":
         config, targets = _tlm_targets(path, tensors, notes)
         kind, family = "tlm", "tlm"
     else:
-        config, targets, family = _hf_targets(path, raw, tensors, notes)
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
+            raise ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{path}'; tlm-convert "
+                                  f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
+        config, targets, family = _hf_targets(path, read_hf_config(path, raw), tensors, notes)
         kind = "hf"
+    return _stream_source(kind, path, family, config, tensors, targets, tokenizer_folder(path),
+                          generation_config_of(path), notes)
+
+
+def _open_gguf(file: Path) -> StreamSource:
+    from transformers import GenerationConfig
+
+    hf_config = read_gguf_config(file)
+    tensors = GGUFTensors.open(file, hf_config)
+    if tensors is None:
+        raise ConversionError(f"'{file}' is a GGUF that only transformers' whole-model loader reads (not a plain "
+                              "llama-architecture file); drop --low-memory")
+    hf_config.dtype = torch.float32  # as load_source leaves it
+    notes: list[str] = []
+    config, targets, family = _hf_targets(file, hf_config, tensors, notes)
+    return _stream_source("gguf", file, family, config, tensors, targets, (str(file.parent), file.name),
+                          GenerationConfig.from_model_config(hf_config), notes)
+
+
+def _stream_source(kind, path, family, config, tensors, targets, tokenizer_source, generation_config, notes):
     shapes = {name: _target_shape(kind_, tensors.shape(src), part) for name, (src, kind_, part) in targets.items()}
     _check_shapes(config, shapes, path)
     return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
-                        shapes=shapes, tokenizer_source=tokenizer_folder(path),
-                        generation_config=generation_config_of(path), notes=notes)
+                        shapes=shapes, tokenizer_source=tokenizer_source, generation_config=generation_config,
+                        notes=notes)
 
 
-def _gguf_refused(path) -> ConversionError:
-    return ConversionError(f"'{path}' is a GGUF checkpoint, which transformers dequantises whole into memory; "
-                           "--low-memory streams transformers safetensors folders only: drop --low-memory")
-
-
-def _hf_targets(path: Path, raw: dict, tensors, notes: list):
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
-        raise ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{path}'; tlm-convert "
-                              f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
-    hf_config = read_hf_config(path, raw)
+def _hf_targets(path: Path, hf_config, tensors, notes: list):
     family = family_of(hf_config)
     try:
         canonical = canonical_source_state_dict(hf_config, {name: name for name in tensors})  # canonical -> file name
