@@ -252,16 +252,36 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-class BinTensors(Mapping):
+class TensorIndex(Mapping):
+    """A read-only mapping name -> tensor over checkpoint files, each tensor read on access; ``_where[name]`` is
+    (file, shape, what the reader needs), so that ``shape(name)`` / ``file(name)`` answer without reading data."""
+
+    def __init__(self):
+        self._where: dict[str, tuple[Path, tuple[int, ...], object]] = {}
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][1]
+
+    def file(self, name: str) -> str:
+        return str(self._where[name][0])
+
+
+class BinTensors(TensorIndex):
     """name -> tensor of a set of PyTorch .bin shards, one tensor at a time: each access maps its shard
     (``torch.load(weights_only=True, mmap=True)``: no pickled code runs), copies the tensor out and lets go of the
     mapping. Legacy (non-zip) files cannot be mapped and are refused."""
 
     def __init__(self, files):
-        self._where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        super().__init__()
         for file in files:
             for name, tensor in self._map(file).items():
-                self._where[name] = (file, tuple(tensor.shape))
+                self._where[name] = (file, tuple(tensor.shape), None)
 
     @staticmethod
     def _map(file: Path) -> dict[str, torch.Tensor]:
@@ -281,20 +301,7 @@ class BinTensors(Mapping):
         return obj
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file = self._where[name][0]
-        return self._map(file)[name].clone()
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._where[name][1]
-
-    def file(self, name: str) -> str:
-        return str(self._where[name][0])
+        return self._map(self._where[name][0])[name].clone()
 
 
 def weight_files(folder: Path) -> tuple[str, list[Path]]:
@@ -613,15 +620,17 @@ def _unpermute_gguf_rows(weights, n_head: int):
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-class GGUFTensors(Mapping):
+class GGUFTensors(TensorIndex):
     """transformers name -> fp32 tensor of a llama-architecture GGUF file, dequantised on access from the
     memory-mapped file (Q/K rows un-permuted): the values of transformers' GGUF loader, one tensor at a time.
     ``open`` returns None for files this reader does not map (other architectures, biases, extra tensors, a tied
     config with an output.weight)."""
 
     def __init__(self, file: Path, reader, names: dict[str, str], heads: dict[str, int]):
+        super().__init__()
         self.path, self._reader, self._heads = file, reader, heads
-        self._tensors = {names[t.name]: t for t in reader.tensors}
+        for t in reader.tensors:  # GGUF lists the fastest axis first
+            self._where[names[t.name]] = (file, tuple(int(n) for n in reversed(t.shape)), t)
 
     @classmethod
     def open(cls, file: Path, hf_config) -> GGUFTensors | None:
@@ -651,7 +660,7 @@ class GGUFTensors(Mapping):
         import numpy as np
         from gguf.quants import dequantize
 
-        tensor = self._tensors[name]
+        tensor = self._where[name][2]
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)
         except Exception as err:
@@ -663,18 +672,6 @@ class GGUFTensors(Mapping):
         value = torch.from_numpy(np.copy(weights)).to(torch.float32)
         del weights
         return value
-
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))  # GGUF lists the fastest axis first
-
-    def file(self, name: str) -> str:
-        return str(self.path)
 
 
 def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
@@ -738,6 +735,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 __all__ = [
     "Source",
     "LazyTensors",
+    "TensorIndex",
     "GGUFTensors",
     "BinTensors",
     "read_gguf_config",

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +52,7 @@ from .checkpoint import (
     HUB_ID,
     BinTensors,
     GGUFTensors,
+    TensorIndex,
     corrupt_error,
     generation_config_of,
     read_hf_config,
@@ -150,7 +150,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "F8_E5M2": torch.float8_e5m2}
 
 
-class SafetensorsFiles(Mapping):
+class SafetensorsFiles(TensorIndex):
     """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
 
     No memory map: the pages of a mapped file stay in the process's resident set while it is mapped (safetensors'
@@ -160,7 +160,7 @@ class SafetensorsFiles(Mapping):
     """
 
     def __init__(self, files):
-        self._where: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        super().__init__()
         for file in files:
             self._read_header(Path(file))
 
@@ -197,10 +197,10 @@ class SafetensorsFiles(Mapping):
             if name in self._where:
                 raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
                                       "shards overlap, re-download the checkpoint")
-            self._where[name] = (file, dtype, shape, 8 + length + start, nbytes)
+            self._where[name] = (file, shape, (dtype, 8 + length + start, nbytes))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file, dtype, shape, offset, nbytes = self._where[name]
+        file, shape, (dtype, offset, nbytes) = self._where[name]
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         view, done = memoryview(buffer.numpy()), 0
         try:
@@ -214,22 +214,6 @@ class SafetensorsFiles(Mapping):
         except OSError as err:
             raise corrupt_error(file, err) from None
         return buffer.view(dtype).reshape(shape)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._where[name][2]
-
-    def file(self, name: str) -> str:
-        return str(self._where[name][0])
-
-
-def corrupt_error(file, err) -> ConversionError:
-    return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
 
 
 def _all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
