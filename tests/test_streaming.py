@@ -70,6 +70,7 @@ CASES = [
     ("llama", dict(importance="obs", refit_target="residual")),
     ("gpt2", dict(importance="obs", refit_target="local")),
     ("llama", dict(mixer="gated_attention", grow_init="split")),
+    ("llama", dict(mixer="hope_attention")),
 ]
 
 

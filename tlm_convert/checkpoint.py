@@ -17,7 +17,8 @@ TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with 
 folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
 settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
 
-``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names);
+``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names;
+safetensors with plain file reads, not memory maps);
 tlm_convert.stream reads one layer at a time (TLM names) for the low-memory policy.
 """
 
@@ -26,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,52 +99,109 @@ class Source:
 # ================================================================================================ lazy reading
 
 
-class LazyTensors(Mapping):
-    """A read-only mapping name -> tensor whose values are read from disk on access (one tensor at a time).
-
-    ``shape(name)`` / ``dtype(name)`` / ``file(name)`` answer from the file headers without reading data.
-    Read errors (corrupt or truncated files) are raised as ConversionError naming the file.
-    """
-
-    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-                 dtypes: dict[str, str], files: dict[str, str]):
-        self._loaders, self._shapes, self._dtypes, self._files = loaders, shapes, dtypes, files
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._loaders[name]()
-
-    def __iter__(self):
-        return iter(self._loaders)
-
-    def __len__(self) -> int:
-        return len(self._loaders)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
-
-    def dtype(self, name: str) -> str:
-        return self._dtypes[name]
-
-    def file(self, name: str) -> str:
-        return self._files[name]
-
-
 def corrupt_error(file, err) -> ConversionError:
     return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
 
 
-def _open_safetensors(file: Path):
-    from safetensors import safe_open
+class TensorIndex(Mapping):
+    """A read-only mapping name -> tensor over checkpoint files, each tensor read on access; ``_where[name]`` is
+    (file, shape, what the reader needs), so that ``shape(name)`` / ``file(name)`` answer without reading data."""
 
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
-    except Exception as err:  # SafetensorError (header), OSError, ...
-        raise corrupt_error(file, err) from None
+    def __init__(self):
+        self._where: dict[str, tuple[Path, tuple[int, ...], object]] = {}
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][1]
+
+    def file(self, name: str) -> str:
+        return str(self._where[name][0])
 
 
-def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsFiles(TensorIndex):
+    """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
+
+    No memory map: the pages of a mapped file stay in the process's resident set while it is mapped (safetensors'
+    ``safe_open`` keeps its mapping for the life of the handle), so streaming a 10 GB checkpoint through mapped
+    handles would count all of it in the peak RSS. Reads go through the page cache, which is not the process's.
+    Headers are read and checked (lengths, offsets, file sizes) up front; problems are ConversionErrors.
+    """
+
+    def __init__(self, files):
+        super().__init__()
+        for file in files:
+            self._read_header(Path(file))
+
+    def _read_header(self, file: Path) -> None:
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < length <= size - 8:
+                    raise ValueError("the header length does not fit the file")
+                header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except FileNotFoundError:
+            raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
+        except (OSError, ValueError) as err:
+            raise corrupt_error(file, err) from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                shape = tuple(int(n) for n in info["shape"])
+                start, end = (int(n) for n in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise corrupt_error(file, f"bad header entry for {name}: {one_line(err)}") from None
+            if dtype is None:
+                raise ConversionError(f"tensor '{name}' in '{file}' has dtype {info['dtype']}, which tlm-convert does "
+                                      "not read; convert a bf16/fp16/fp32 checkpoint")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - start != nbytes or start < 0 or 8 + length + end > size:
+                raise corrupt_error(file, f"the data of {name} lies outside the file")
+            if name in self._where:
+                raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
+                                      "shards overlap, re-download the checkpoint")
+            self._where[name] = (file, shape, (dtype, 8 + length + start, nbytes))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, shape, (dtype, offset, nbytes) = self._where[name]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        try:
+            with open(file, "rb", buffering=0) as f:
+                f.seek(offset)
+                while done < nbytes:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise OSError("unexpected end of file")
+                    done += got
+        except OSError as err:
+            raise corrupt_error(file, err) from None
+        return buffer.view(dtype).reshape(shape)
+
+
+def all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
+    # in blocks: torch.isfinite on a whole tensor briefly takes about 1.7x the tensor's own size
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
+
+
+def open_safetensors_lazy(path: str | os.PathLike) -> SafetensorsFiles:
     """Every tensor of a safetensors checkpoint (a folder, sharded or not, or one .safetensors file), lazily.
 
     The file headers are read (and validated) now; tensor data is read when a value is accessed.
@@ -154,31 +213,7 @@ def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
             raise ConversionError(f"'{path}' holds .bin weights, not safetensors; use iter_source_tensors for it")
     else:
         files = [path]
-    handles, loaders, shapes, dtypes, where = {}, {}, {}, {}, {}
-    for file in files:
-        handle = handles[file] = _open_safetensors(file)
-        for name in handle.keys():
-            if name in loaders:
-                raise ConversionError(f"tensor '{name}' appears in both '{where[name]}' and '{file}'; "
-                                      "the shards overlap, re-download the checkpoint")
-            try:
-                view = handle.get_slice(name)
-                shapes[name], dtypes[name] = tuple(view.get_shape()), view.get_dtype()
-            except Exception as err:
-                raise corrupt_error(file, err) from None
-            loaders[name] = _safetensors_loader(handle, file, name)
-            where[name] = str(file)
-    return LazyTensors(loaders, shapes, dtypes, where)
-
-
-def _safetensors_loader(handle, file, name):
-    def load() -> torch.Tensor:
-        try:
-            return handle.get_tensor(name)
-        except Exception as err:
-            raise corrupt_error(file, err) from None
-
-    return load
+    return SafetensorsFiles(files)
 
 
 def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None, check_finite: bool = True,
@@ -193,7 +228,7 @@ def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = Non
 
     def prepare(name, tensor, file):
         checked = check_finite and not any(p.fullmatch(name) for p in patterns)
-        return _prepare(name, tensor, file, dtype, checked)
+        return prepare_tensor(name, tensor, file, dtype, checked)
 
     path = Path(path)
     if path.suffix.lower() == ".gguf":
@@ -217,15 +252,17 @@ def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = Non
             yield name, prepare(name, tensor, file)
 
 
-def _prepare(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None, check_finite: bool) -> torch.Tensor:
+def prepare_tensor(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None,
+                   check_finite: bool = True) -> torch.Tensor:
+    """``tensor`` (named ``name``, read from ``file``) checked for NaN/Inf and cast to ``dtype`` (ConversionErrors)."""
     if not tensor.is_floating_point():
         return tensor
-    if check_finite and not bool(torch.isfinite(tensor).all()):
+    if check_finite and not all_finite(tensor):
         raise ConversionError(f"tensor '{name}' in '{file}' contains NaN or Inf values; the checkpoint is damaged "
                               "(re-download it or fix the model that produced it)")
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
-        if check_finite and not bool(torch.isfinite(tensor).all()):
+        if check_finite and not all_finite(tensor):
             raise ConversionError(f"tensor '{name}' in '{file}' overflows in {str(dtype).replace('torch.', '')}; "
                                   "convert with --dtype float32 or bfloat16")
     return tensor
@@ -250,26 +287,6 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
         raise ConversionError(f"'{file}' does not hold a state dict (name -> tensor); save the model with "
                               "save_pretrained and convert that folder")
     return obj
-
-
-class TensorIndex(Mapping):
-    """A read-only mapping name -> tensor over checkpoint files, each tensor read on access; ``_where[name]`` is
-    (file, shape, what the reader needs), so that ``shape(name)`` / ``file(name)`` answer without reading data."""
-
-    def __init__(self):
-        self._where: dict[str, tuple[Path, tuple[int, ...], object]] = {}
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._where[name][1]
-
-    def file(self, name: str) -> str:
-        return str(self._where[name][0])
 
 
 class BinTensors(TensorIndex):
@@ -680,7 +697,7 @@ def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, t
     lazy = GGUFTensors.open(file, hf_config)
     if lazy is None:
         return None
-    tensors = {name: _prepare(name, lazy[name], file, dtype, True) for name in lazy}
+    tensors = {name: prepare_tensor(name, lazy[name], file, dtype, True) for name in lazy}
     if _is_tied(hf_config) and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
@@ -724,7 +741,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
     except Exception as err:
         raise ConversionError(f"transformers cannot load the weights of '{file}' ({one_line(err)}); re-download "
                               "it or convert the original safetensors folder") from None
-    tensors = {k: _prepare(k, v.detach(), file, dtype, True) for k, v in model.state_dict().items()}
+    tensors = {k: prepare_tensor(k, v.detach(), file, dtype, True) for k, v in model.state_dict().items()}
     generation_config = getattr(model, "generation_config", None)
     hf_config = model.config
     del model
@@ -734,8 +751,10 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 
 __all__ = [
     "Source",
-    "LazyTensors",
+    "SafetensorsFiles",
     "TensorIndex",
+    "prepare_tensor",
+    "all_finite",
     "GGUFTensors",
     "BinTensors",
     "read_gguf_config",

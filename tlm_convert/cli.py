@@ -4,7 +4,6 @@ helpers every command uses (one-line errors and usage errors, quiet libraries). 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import sys

@@ -53,8 +53,9 @@ from .checkpoint import (
     BinTensors,
     GGUFTensors,
     TensorIndex,
-    corrupt_error,
+    SafetensorsFiles,
     generation_config_of,
+    prepare_tensor,
     read_hf_config,
     read_gguf_config,
     read_json,
@@ -98,7 +99,7 @@ class StreamSource:
     path: str
     family: str
     tlm_config: TLMConfig
-    tensors: SafetensorsFiles
+    tensors: TensorIndex  # SafetensorsFiles, BinTensors or GGUFTensors
     targets: dict[str, tuple[str, str, int]]
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
     tokenizer_source: str | tuple[str, str] | None  # as Source.tokenizer_source
@@ -135,91 +136,7 @@ class StreamSource:
         return out
 
     def _load(self, name: str) -> torch.Tensor:
-        tensor = self.tensors[name]
-        if not tensor.is_floating_point():
-            return tensor
-        if not _all_finite(tensor):
-            raise ConversionError(f"tensor '{name}' in '{self.tensors.file(name)}' contains NaN or Inf values; the "
-                                  "checkpoint is damaged (re-download it or fix the model that produced it)")
-        return tensor.to(torch.float32)
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-                       "F8_E5M2": torch.float8_e5m2}
-
-
-class SafetensorsFiles(TensorIndex):
-    """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
-
-    No memory map: the pages of a mapped file stay in the process's resident set while it is mapped (safetensors'
-    ``safe_open`` keeps its mapping for the life of the handle), so streaming a 10 GB checkpoint through mapped
-    handles would count all of it in the peak RSS. Reads go through the page cache, which is not the process's.
-    Headers are read and checked (lengths, offsets, file sizes) up front; problems are ConversionErrors.
-    """
-
-    def __init__(self, files):
-        super().__init__()
-        for file in files:
-            self._read_header(Path(file))
-
-    def _read_header(self, file: Path) -> None:
-        try:
-            size = file.stat().st_size
-            with open(file, "rb") as f:
-                head = f.read(8)
-                length = int.from_bytes(head, "little") if len(head) == 8 else -1
-                if not 0 < length <= size - 8:
-                    raise ValueError("the header length does not fit the file")
-                header = json.loads(f.read(length))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except FileNotFoundError:
-            raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
-        except (OSError, ValueError) as err:
-            raise corrupt_error(file, err) from None
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-                shape = tuple(int(n) for n in info["shape"])
-                start, end = (int(n) for n in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise corrupt_error(file, f"bad header entry for {name}: {one_line(err)}") from None
-            if dtype is None:
-                raise ConversionError(f"tensor '{name}' in '{file}' has dtype {info['dtype']}, which tlm-convert does "
-                                      "not read; convert a bf16/fp16/fp32 checkpoint")
-            nbytes = math.prod(shape) * dtype.itemsize
-            if end - start != nbytes or start < 0 or 8 + length + end > size:
-                raise corrupt_error(file, f"the data of {name} lies outside the file")
-            if name in self._where:
-                raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
-                                      "shards overlap, re-download the checkpoint")
-            self._where[name] = (file, shape, (dtype, 8 + length + start, nbytes))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        file, shape, (dtype, offset, nbytes) = self._where[name]
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        view, done = memoryview(buffer.numpy()), 0
-        try:
-            with open(file, "rb", buffering=0) as f:
-                f.seek(offset)
-                while done < nbytes:
-                    got = f.readinto(view[done:])
-                    if not got:
-                        raise OSError("unexpected end of file")
-                    done += got
-        except OSError as err:
-            raise corrupt_error(file, err) from None
-        return buffer.view(dtype).reshape(shape)
-
-
-def _all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
-    # in blocks: torch.isfinite on a whole tensor briefly takes about 1.7x the tensor's own size
-    flat = tensor.reshape(-1)
-    return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
+        return prepare_tensor(name, self.tensors[name], self.tensors.file(name), torch.float32)
 
 
 def open_stream(source) -> StreamSource:
@@ -560,4 +477,4 @@ def _trim_heap() -> None:
 
 
 __all__ = ["open_stream", "check_streamable", "check_disk_space", "StreamSource", "StreamedLayers",
-           "SafetensorsFiles", "expected_shapes"]
+           "expected_shapes"]
