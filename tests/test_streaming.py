@@ -210,18 +210,20 @@ def test_refit_in_place_and_in_blocks_matches_the_copying_refit():
     idx = torch.tensor(keep)
     expected = refit_kept(gram[idx][:, idx], gram[idx] @ down.double().T).to(down.dtype)
     for rows in (None, 7):  # every block loop runs many times with 7 rows
-        torch.testing.assert_close(refit_down_proj(gram.clone(), down, keep, overwrite=True, block_rows=rows),
-                                   expected, atol=1e-5, rtol=1e-5)
+        for in_place in (False, True):
+            got = refit_down_proj(gram.clone(), down, keep, overwrite=True, block_rows=rows, in_place=in_place)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # another target (the residual one): AᵀY given whole
     cross = acts.T @ torch.randn(300, 12, generator=gen, dtype=torch.float64)
     expected = refit_kept(gram[idx][:, idx], cross[idx]).to(down.dtype)
-    torch.testing.assert_close(refit_down_proj(acts.T @ acts, down, keep, cross=cross, overwrite=True, block_rows=7),
-                               expected, atol=1e-5, rtol=1e-5)
+    got = refit_down_proj(acts.T @ acts, down, keep, cross=cross, overwrite=True, block_rows=7, in_place=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # not positive definite even with damping: the least-squares fallback
     indefinite = -torch.eye(90, dtype=torch.float64) + 0.01 * (acts.T @ acts) / 300
     expected = refit_down_proj(indefinite.clone(), down, keep)
-    torch.testing.assert_close(refit_down_proj(indefinite, down, keep, overwrite=True, block_rows=7), expected,
-                               atol=1e-5, rtol=1e-5)
+    for in_place in (False, True):
+        got = refit_down_proj(indefinite.clone(), down, keep, overwrite=True, block_rows=7, in_place=in_place)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_refit_kept_in_place_gives_the_same_bits():

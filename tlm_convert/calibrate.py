@@ -54,8 +54,8 @@ class MemoryPolicy:
     keep_activations_bytes: a shrinking layer keeps its first pass's activations (for the refit's system and the
         resized layer's output) up to this size; above it they are summed into AᵀA (and AᵀY) during the pass and the
         resized MLP runs again. None: always kept.
-    block_bytes: the largest temporary of the Gram matrix's updates and of the refit's right-hand side (row blocks).
-        None: whole products.
+    block_bytes: the largest temporary of the Gram matrix's updates and of the refit's right-hand side (row blocks),
+        and of the refit's solve: a K × K system larger than this is factored in its own storage. None: no limit.
     obs_budget_bytes: ``importance="obs"`` holds about five dense I × I fp64 matrices per layer (the Gram matrix,
         its damped inverse and its temporaries, the removal vectors); refused above this. None: no limit.
     """
@@ -67,6 +67,10 @@ class MemoryPolicy:
 
     def keeps(self, nbytes: int) -> bool:
         return self.keep_activations_bytes is None or nbytes <= self.keep_activations_bytes
+
+    def solve_in_place(self, kept: int) -> bool:
+        """Whether the refit factors its (kept x kept) fp64 system in place (compensate.refit_kept)."""
+        return self.block_bytes is not None and 8 * kept * kept > self.block_bytes
 
     def rows(self, bytes_per_row: int) -> int | None:
         """Rows per block of a product whose rows take ``bytes_per_row``; None: one block."""
@@ -288,7 +292,8 @@ class _LayerStep:
                 with self.timer("calibrate"):
                     gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
                 with self.timer("rank"):
-                    plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True).to(down.weight.dtype)
+                    plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True,
+                                                    in_place=self.policy.solve_in_place(width)).to(down.weight.dtype)
                 del gram, rhs
         stats.gram = None
         with self.timer("resize"):
@@ -327,7 +332,8 @@ class _LayerStep:
                 plan = plan_from_scores([score], [width])[0]
                 if self.refit:
                     plan.down_override = refit_down_proj(gram, down.weight, plan.keep, damp=self.damp, cross=target,
-                                                         overwrite=True, block_rows=self.policy.rows(8 * len(gram)))
+                                                         overwrite=True, block_rows=self.policy.rows(8 * len(gram)),
+                                                         in_place=self.policy.solve_in_place(width))
             del gram, target
         with self.timer("resize"):
             self.resize(i, layer, plan)
