@@ -291,9 +291,12 @@ class _LayerStep:
             if self.refit:
                 with self.timer("calibrate"):
                     gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
+                in_place = self.policy.solve_in_place(width)
+                if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
+                    rhs = rhs.T.contiguous().T
                 with self.timer("rank"):
                     plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True,
-                                                    in_place=self.policy.solve_in_place(width)).to(down.weight.dtype)
+                                                    in_place=in_place).to(down.weight.dtype)
                 del gram, rhs
         stats.gram = None
         with self.timer("resize"):

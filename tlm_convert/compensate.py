@@ -86,7 +86,8 @@ def _solve_in_place(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
         full = full + full.T
         full.diagonal().copy_(diagonal)
         return torch.linalg.lstsq(full, rhs).solution.T.contiguous()
-    rhs_t = rhs.T.contiguous()  # (d, K): seen column-major, the (K, d) right-hand side LAPACK solves in place
+    rhs_t = rhs.T.contiguous()  # (d, K), a view when rhs is one: seen column-major, the (K, d) right-hand side
+    del rhs
     x, info = lapack.dpotrs(factor, rhs_t.numpy().T, lower=1, overwrite_b=1)
     if info != 0:
         raise RuntimeError(f"LAPACK dpotrs failed (info {info})")
