@@ -340,6 +340,13 @@ def test_help():
         assert option in help_text, option
 
 
+def test_one_tlm_group_and_tlm_convert_is_tlm_convert():
+    assert set(tlm_main.commands) == {"convert", "train", "eval", "analyze", "compare"}
+    assert tlm_main.commands["convert"] is convert_main
+    via_group = _run(["convert", "--help"], command=tlm_main).stdout
+    assert via_group.replace("Usage: tlm convert", "Usage: tlm-convert") == _run(["--help"], command=convert_main).stdout
+
+
 def test_tlm_convert_option_set_is_pinned():
     assert _long_options(convert_main) == TLM_CONVERT_OPTIONS
 
