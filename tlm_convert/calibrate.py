@@ -96,7 +96,6 @@ class MemoryPolicy:
 IN_MEMORY = MemoryPolicy("in_memory")
 LOW_MEMORY = MemoryPolicy("low_memory", keep_activations_bytes=256 << 20, block_bytes=64 << 20,
                           obs_budget_bytes=2 << 30)
-POLICIES = {p.name: p for p in (IN_MEMORY, LOW_MEMORY)}
 
 
 class Layers(Protocol):
@@ -457,4 +456,4 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
 
 
 __all__ = ["calibrate_and_plan", "convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
-           "POLICIES", "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]
+           "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]
