@@ -12,6 +12,7 @@ Each variant costs one calibration pass plus one evaluation; the source perplexi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import subprocess
@@ -20,10 +21,11 @@ import time
 import torch
 
 from tlm_convert.calibrate import calibrate_and_plan
-from tlm_convert.checkpoint import load_source
-from tlm_convert.checkpoint import resolve_builtin
-from tlm_convert.convert import ConvertOptions, _build_model, perplexity, plan_widths
+from tlm_convert.checkpoint import load_source, resolve_builtin
+from tlm_convert.convert import ConvertOptions, plan_widths
 from tlm_convert.data import load_text, token_blocks
+from tlm_convert.load import load_tokenizer, materialize
+from tlm_convert.perplexity import perplexity
 
 
 def main() -> None:
@@ -42,12 +44,12 @@ def main() -> None:
     src = load_source(resolve_builtin("smollm2-135m"))
     load_seconds = time.perf_counter() - t0
     state, config = dict(src.state_dict), src.tlm_config
-    _, tokenizer = _build_model(src, opts)
+    tokenizer = load_tokenizer(src)
     calib = token_blocks(tokenizer, load_text("default"), args.seq_len, args.calibration_tokens)
     evalb = token_blocks(tokenizer, load_text("default-eval"), args.seq_len, args.eval_tokens, what="evaluation")
     widths = plan_widths(config, opts)
 
-    source_model, _ = _build_model(src, opts)
+    source_model = materialize(config, src.state_dict).eval()
     t0 = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(calib), opts.batch_size):
@@ -62,8 +64,7 @@ def main() -> None:
     for spec in args.variants:
         importance, refit, *rest = spec.split(":")
         grow = rest[0] if rest else "noise"
-        src.state_dict = {k: v.clone() for k, v in state.items()}
-        model, _ = _build_model(src, opts)
+        model = materialize(copy.deepcopy(config), {k: v.clone() for k, v in state.items()}).eval()
         t0 = time.perf_counter()
         calibrate_and_plan(model, calib, widths, importance=importance, refit=refit == "refit", grow_init=grow,
                            refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)

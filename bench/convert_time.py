@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tlm_convert.checkpoint import load_source, resolve_builtin  # noqa: E402
-from tlm_convert.convert import ConvertOptions, _build_model, convert  # noqa: E402
+from tlm_convert.checkpoint import resolve_builtin  # noqa: E402
+from tlm_convert.convert import ConvertOptions, convert  # noqa: E402
 from tlm_convert.data import load_text, token_blocks  # noqa: E402
+from tlm_convert.load import load_model  # noqa: E402
 
 
 def plain_forward_seconds(source: str, opts: ConvertOptions) -> float:
     """Seconds of the plain forward passes over the calibration blocks ``convert`` would use."""
-    src = load_source(source, dtype=torch.float32)
-    model, tokenizer = _build_model(src, opts)
+    model, tokenizer, _ = load_model(source, opts.device)
     blocks = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
     start = time.perf_counter()
     with torch.no_grad():

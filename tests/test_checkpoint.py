@@ -147,7 +147,7 @@ def test_tlm_checkpoint(tmp_path):
     _assert_same(source, source_model)
 
 
-def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37, qtype=None, extra=()):
+def write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37, qtype=None, extra=()):
     """A tiny llama GGUF; with ``qtype`` (a GGMLQuantizationType) every matrix whose rows are whole quantisation
     blocks is stored quantised; ``extra`` names more (F32) tensors to add."""
     import gguf
@@ -196,7 +196,7 @@ def _write_tiny_gguf(path, vocab=V, d=32, layers=2, heads=4, kv=2, width=37, qty
 def test_gguf_file(tmp_path):
     pytest.importorskip("gguf")
     file = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(file)
+    write_tiny_gguf(file)
     source = load_source(file)
     assert (source.kind, source.family, source.tokenizer_source) == ("gguf", "llama", (str(tmp_path), "tiny.gguf"))
     assert source.tlm_config.tie_word_embeddings and source.tlm_config.intermediate_sizes == [37, 37]
@@ -232,7 +232,7 @@ def test_gguf_read_tensor_by_tensor_equals_transformers(tmp_path, monkeypatch, q
     transformers' loader, without building a transformers model."""
     gguf = pytest.importorskip("gguf")
     file = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(file, qtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+    write_tiny_gguf(file, qtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
     old = _transformers_gguf_source(file, monkeypatch)
 
     def no_model(*args, **kwargs):
@@ -246,7 +246,7 @@ def test_gguf_read_tensor_by_tensor_equals_transformers(tmp_path, monkeypatch, q
 def test_gguf_with_unmapped_tensors_falls_back_to_transformers(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     file = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(file, extra=("rope_freqs.weight",))  # a tensor the llama reader does not map
+    write_tiny_gguf(file, extra=("rope_freqs.weight",))  # a tensor the llama reader does not map
     calls = []
     real = AutoModelForCausalLM.from_pretrained
 

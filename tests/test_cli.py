@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_convert.archs import SUPPORTED_ARCHITECTURES
-from tlm_convert.cli import convert_main, tlm_main
+from tlm_convert.cli import convert_main
+from tlm_train.cli import tlm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "2048", "--seq-len", "64", "--batch-size", "4",
@@ -337,6 +338,13 @@ def test_help():
     assert "eval" in _run(["--help"], command=tlm_main).stdout
     for option in _long_options(convert_main):
         assert option in help_text, option
+
+
+def test_one_tlm_group_and_tlm_convert_is_tlm_convert():
+    assert set(tlm_main.commands) == {"convert", "train", "eval", "analyze", "compare"}
+    assert tlm_main.commands["convert"] is convert_main
+    via_group = _run(["convert", "--help"], command=tlm_main).stdout
+    assert via_group.replace("Usage: tlm convert", "Usage: tlm-convert") == _run(["--help"], command=convert_main).stdout
 
 
 def test_tlm_convert_option_set_is_pinned():

@@ -1,5 +1,6 @@
 """The conversion pipeline on tiny checkpoints: exact import, parameter parity, surgery and upcycling invariants."""
 
+import copy
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from tlm_convert.calibrate import calibrate_and_plan
 from tlm_convert.checkpoint import load_source
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
-from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_mlp
+from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
 from tlm_convert.upcycle import upcycle
 
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
@@ -26,6 +27,16 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def ids():
     return torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def resize_mlp(config, state, plans, grow_init):
+    """Every layer of (config, state) resized by its plan (surgery.resize_layer), as the layer loop does."""
+    state = dict(state)
+    for i, plan in enumerate(plans):
+        state.update(resize_layer(state, i, plan, grow_init, gated=config.mlp_gated))
+    config = copy.deepcopy(config)
+    config.intermediate_sizes = [p.width for p in plans]
+    return config, state
 
 
 def _logits(model, ids):
@@ -223,12 +234,21 @@ def test_calibration_blocks_are_spread_over_the_whole_text():
     assert len(set(token_blocks(tokenizer, text, 64, 14 * 64)[:, 0].tolist())) == 14
 
 
-def test_importance_default_depends_on_the_path():
-    # OBS (the best measured) in memory; activation with --low-memory, whose streaming avoids dense I x I matrices
+def test_importance_default_depends_on_the_policy():
+    # OBS (the best measured) by default; with --low-memory only while its dense I x I matrices fit the budget
+    from tlm_convert.calibrate import LOW_MEMORY
+    from tlm_convert.convert import resolve_importance
+
     in_memory, low = ConvertOptions(), ConvertOptions(low_memory=True)
     in_memory.validate()
     low.validate()
-    assert (in_memory.importance, low.importance) == ("obs", "activation")
+    assert (in_memory.importance, low.importance) == ("obs", None)
+    assert resolve_importance(low, 1536) == [] and low.importance == "obs"  # SmolLM2's MLP: 94 MB of matrices
+    wide = ConvertOptions(low_memory=True)
+    wide.validate()
+    notes = resolve_importance(wide, 11008)  # a 7B Llama's MLP: 4.5 GiB
+    assert wide.importance == "activation" and "obs needs 4.5 GiB" in notes[0]
+    assert not LOW_MEMORY.obs_fits(11008) and LOW_MEMORY.obs_fits(1536)
     chosen = ConvertOptions(importance="wanda_sp", low_memory=True)
     chosen.validate()
     assert chosen.importance == "wanda_sp"

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from tlm_train.evaluate import _windows, strided_perplexity
+from tlm_train.evaluate import strided_perplexity, windows
 
 
 def test_windows_score_every_token_once():
     for n, window, stride in [(20, 8, 8), (20, 8, 3), (21, 8, 5), (7, 8, 4), (16, 4, 1)]:
         scored = []
-        for begin, end, first in _windows(n, window, stride):
+        for begin, end, first in windows(n, window, stride):
             assert end - begin <= window
             scored += list(range(begin + first, end))
         # overlapping windows score every token after the first; disjoint blocks cannot score a block's first token
@@ -42,7 +42,7 @@ def test_overlapping_windows_match_a_by_hand_computation():
     total = []
     with torch.no_grad():
         for t in range(1, 19):  # token t is predicted by the window that scores it, with that window's context
-            for begin, end, first in _windows(19, window, stride):
+            for begin, end, first in windows(19, window, stride):
                 if begin + first <= t < end:
                     logp = torch.log_softmax(model(ids[begin:end][None]).logits[0, t - begin - 1], -1)
                     total.append(-float(logp[ids[t]]))

@@ -1,6 +1,8 @@
-"""--low-memory conversion (tlm_convert.streaming): the same output as the in-memory path, refusals, atomicity."""
+"""The memory policies of the one conversion loop (tlm_convert.calibrate.convert_layers): the low-memory policy
+(streamed source, one shard per layer) writes the in-memory policy's tensors; refusals; atomicity."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,13 +10,16 @@ from safetensors.torch import load_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-from tlm_convert import report, streaming
-from tlm_convert.compensate import refit_down_proj
+import tlm_convert.convert as convert_module
+from tlm_convert import report
+from tlm_convert.calibrate import LOW_MEMORY
+from tlm_convert.checkpoint import load_source
+from tlm_convert.compensate import refit_down_proj, refit_kept
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.errors import ConversionError
 from tlm_convert.importance import ActivationStats
+from tlm_convert.stream import open_stream
 
-# importance given: the default differs between the paths (obs in memory, activation with --low-memory)
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=512, seq_len=64, batch_size=4, multiple_of=1,
             importance="activation")
 
@@ -24,6 +29,23 @@ def sources(tmp_path_factory):
     tokenizer = tiny_tokenizer()
     root = tmp_path_factory.mktemp("sources")
     return {family: make_source(root / family, family, tokenizer=tokenizer) for family in ("llama", "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def in_memory(sources, tmp_path_factory):
+    """The in-memory policy's outputs, one per (family, options) of the test below, made once."""
+    root, made = tmp_path_factory.mktemp("in_memory"), {}
+
+    def get(family, extra):
+        key = (family, json.dumps(extra, sort_keys=True))
+        if key not in made:
+            out = root / str(len(made))
+            with pytest.MonkeyPatch.context() as patch:  # the reference's plot is not under test here (saves time)
+                patch.setattr(report, "write_plot", lambda _report, path: path.write_bytes(b""))
+                made[key] = out, convert(str(sources[family]), str(out), ConvertOptions(**{**OPTS, **extra}))
+        return made[key]
+
+    return get
 
 
 def _tensors(folder):
@@ -37,37 +59,43 @@ def _leftovers(parent, name):
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.tmp-")]
 
 
-@pytest.mark.parametrize("family, extra, frugal", [
-    ("llama", dict(eval_data=str(DATA), eval_tokens=192), None),  # small enough for the in-memory path's steps
-    ("gpt2", dict(refit_target="residual"), "blocks"),  # the code paths of wide layers: blocked Gram, AᵀY and refit
-    ("llama", dict(refit_target="local"), "hook"),  # ... and of calibration sets too large to keep the activations
-    ("llama", dict(importance="obs", refit_target="residual"), None),  # OBS from the residual optimum D*
-    ("gpt2", dict(importance="obs", refit_target="residual"), "hook"),
-])
-def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources, tmp_path, monkeypatch):
-    src = sources[family]
+# the low-memory policy as it runs, and with its limits forced down to the tiny layers: Gram matrix, AᵀY and the
+# refit's right-hand side in row blocks ("blocks"), activations summed during the pass instead of kept ("summed")
+POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096),
+            "summed": replace(LOW_MEMORY, block_bytes=4096, keep_activations_bytes=0)}
+CASES = [
+    ("llama", dict(eval_data=str(DATA), eval_tokens=192)),
+    ("gpt2", dict(refit_target="residual")),
+    ("llama", dict(refit_target="local")),
+    ("llama", dict(importance="obs", refit_target="residual")),
+    ("gpt2", dict(importance="obs", refit_target="local")),
+    ("llama", dict(mixer="gated_attention", grow_init="split")),
+    ("llama", dict(mixer="hope_attention")),
+]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("family, extra", CASES)
+def test_policies_write_the_same_tensors(policy, family, extra, sources, in_memory, tmp_path, monkeypatch):
+    full_dir, full = in_memory(family, extra)
+    monkeypatch.setattr(convert_module, "LOW_MEMORY", POLICIES[policy])
     seen = []
-    with monkeypatch.context() as patch:  # the reference's plot is not under test here (saves time)
-        patch.setattr(report, "write_plot", lambda _report, path: path.write_bytes(b""))
-        full = convert(str(src), str(tmp_path / "full"), ConvertOptions(**{**OPTS, **extra}))
-    if frugal:  # forced on the tiny layers
-        monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)
-    if frugal == "hook":
-        monkeypatch.setattr(streaming, "KEEP_ACTIVATIONS_BYTES", 0)
-    low = convert(str(src), str(tmp_path / "low"), ConvertOptions(low_memory=True, **{**OPTS, **extra}),
+    low = convert(str(sources[family]), str(tmp_path / "low"), ConvertOptions(low_memory=True, **{**OPTS, **extra}),
                   on_layer=seen.append)
     assert seen == [0, 1, 2, 3]
     assert low["widths_after"] == full["widths_after"] == [72, 60, 36, 24]
-    assert low["params_before"] == low["params_after"] == full["params_after"] == full["params_before"]
-    a, b = _tensors(tmp_path / "full"), _tensors(tmp_path / "low")
+    assert low["params_before"] == full["params_before"]
+    assert low["params_after"] == full["params_after"]
+    a, b = _tensors(full_dir), _tensors(tmp_path / "low")
     assert a.keys() == b.keys()
-    # the same arithmetic up to fp32 summation order, which the refit's least-squares solve amplifies (damping 1e-3):
-    # per tensor, max |Δ| <= 1e-4 of its largest entry (measured up to 1.1e-4 x 0.35 on the blocked gpt2 route)
     for k in a:
-        assert float((a[k] - b[k]).abs().max()) <= 1e-6 + 2e-4 * float(a[k].abs().max()), k
-    assert sum(t.numel() for t in b.values()) == low["params_before"]
-    config = {p: json.loads((tmp_path / p / "config.json").read_text()) for p in ("full", "low")}
-    assert config["low"] == config["full"]
+        if policy == "low_memory":  # the same steps on layers this small: the same bits
+            assert torch.equal(a[k], b[k]), k
+        else:  # the same sums in another order, which the refit's solve amplifies (damping 1e-3)
+            assert float((a[k] - b[k]).abs().max()) <= 1e-6 + 2e-4 * float(a[k].abs().max()), k
+    assert sum(t.numel() for t in b.values()) == low["params_after"]
+    config = {p: json.loads((p / "config.json").read_text()) for p in (full_dir, tmp_path / "low")}
+    assert config[full_dir] == config[tmp_path / "low"]
     index = json.loads((tmp_path / "low" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(b)
     assert len(set(index["weight_map"].values())) == 6  # embeddings, one shard per layer, final norm (+ head)
@@ -85,6 +113,21 @@ def test_low_memory_writes_the_in_memory_tensors(family, extra, frugal, sources,
     assert not _leftovers(tmp_path, "low")
 
 
+def test_obs_beyond_the_budget_is_refused_or_not_the_default(sources, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "LOW_MEMORY", replace(LOW_MEMORY, obs_budget_bytes=1000))
+    with pytest.raises(ConversionError, match="--importance obs needs about .* use --importance activation"):
+        convert(str(sources["llama"]), str(tmp_path / "out"),
+                ConvertOptions(low_memory=True, **{**OPTS, "importance": "obs"}))
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
+    low = convert(str(sources["llama"]), str(tmp_path / "out"), ConvertOptions(low_memory=True, **{**OPTS,
+                                                                                                   "importance": None}))
+    assert low["importance"] == "activation" and any("obs needs" in n for n in low["notes"])
+    monkeypatch.undo()
+    low = convert(str(sources["llama"]), str(tmp_path / "fits"), ConvertOptions(low_memory=True, **{**OPTS,
+                                                                                                    "importance": None}))
+    assert low["importance"] == "obs"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(export="hf"), "writes --export tlm only \\(--export hf needs"),
     (dict(export="padded"), "drop --low-memory, or use --export tlm"),
@@ -97,16 +140,47 @@ def test_unsupported_options_are_refused(change, message, sources, tmp_path):
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
 
 
-def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
-    (tmp_path / "bin").mkdir()
+def _bin_copy(folder, out):
+    out.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "bin" / name).write_bytes((sources["llama"] / name).read_bytes())
-    torch.save(load_file(sources["llama"] / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
+        (out / name).write_bytes((folder / name).read_bytes())
+    torch.save(load_file(folder / "model.safetensors"), out / "pytorch_model.bin")
+    return out
+
+
+def test_streamed_sources_read_the_loaded_tensors(sources, tmp_path):
+    """Every source format streams (safetensors, .bin, llama GGUF): layer by layer, the tensors load_source reads."""
+    from test_checkpoint import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf)
+    for source in (sources["llama"], sources["gpt2"], _bin_copy(sources["llama"], tmp_path / "bin"), gguf):
+        whole, streamed = load_source(source), open_stream(source)
+        assert (streamed.kind, streamed.family) == (whole.kind, whole.family)
+        assert streamed.tlm_config.to_dict() == whole.tlm_config.to_dict()
+        assert streamed.num_params == whole.num_params and streamed.notes == whole.notes
+        assert streamed.tokenizer_kwargs() == whole.tokenizer_kwargs()
+        names = [n for i in range(whole.tlm_config.num_hidden_layers) for n in streamed.layer_names(i)]
+        names += streamed.other_names()
+        expected = {k for k in whole.state_dict if not (k == "lm_head.weight" and whole.tlm_config.tie_word_embeddings)}
+        assert sorted(names) == sorted(expected)
+        for name, tensor in streamed.read(names).items():
+            assert torch.equal(tensor, whole.state_dict[name]), (source, name)
+
+
+def test_a_bin_checkpoint_streams_to_the_in_memory_tensors(sources, in_memory, tmp_path):
+    full_dir, _ = in_memory("llama", {})
+    convert(str(_bin_copy(sources["llama"], tmp_path / "bin")), str(tmp_path / "low"),
+            ConvertOptions(low_memory=True, **OPTS))
+    a, b = _tensors(full_dir), _tensors(tmp_path / "low")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     opts = ConvertOptions(low_memory=True, **OPTS)
-    for source, message in ((tmp_path / "bin", "PyTorch .bin weights; --low-memory streams safetensors only"),
-                            (gguf, "GGUF.*drop --low-memory"), ("someorg/somemodel", "not a local folder")):
+    for source, message in ((gguf, "cannot be read as GGUF"), ("someorg/somemodel", "not a local folder")):
         with pytest.raises(ConversionError, match=message):
             convert(str(source), str(tmp_path / "out"), opts)
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
@@ -127,33 +201,43 @@ def test_output_is_atomic_when_a_layer_fails(sources, tmp_path):
     assert not _leftovers(tmp_path, "out")
 
 
-def test_in_place_refit_matches_refit_down_proj(monkeypatch):
+def test_refit_in_place_and_in_blocks_matches_the_copying_refit():
     gen = torch.Generator().manual_seed(0)
     acts = torch.randn(300, 90, generator=gen, dtype=torch.float64)
     down = torch.randn(12, 90, generator=gen)
     keep = sorted(torch.randperm(90, generator=gen)[:50].tolist())
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 8 * 150 * 7)  # 7 rows per block: every loop runs many times
     gram = acts.T @ acts
-    expected = refit_down_proj(gram.clone(), down, keep)
-    torch.testing.assert_close(streaming.refit_down_proj_inplace(gram.clone(), down, keep), expected, atol=1e-5,
-                               rtol=1e-5)
-    # another target (the residual one): AᵀY given whole or as its kept rows
+    idx = torch.tensor(keep)
+    expected = refit_kept(gram[idx][:, idx], gram[idx] @ down.double().T).to(down.dtype)
+    for rows in (None, 7):  # every block loop runs many times with 7 rows
+        for in_place in (False, True):
+            got = refit_down_proj(gram.clone(), down, keep, overwrite=True, block_rows=rows, in_place=in_place)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # another target (the residual one): AᵀY given whole
     cross = acts.T @ torch.randn(300, 12, generator=gen, dtype=torch.float64)
-    expected = refit_down_proj(gram.clone(), down, keep, cross=cross)
-    for given in (dict(cross=cross), dict(rhs_t=cross[keep].T.contiguous())):
-        torch.testing.assert_close(streaming.refit_down_proj_inplace(acts.T @ acts, down, keep, **given), expected,
-                                   atol=1e-5, rtol=1e-5)
-    # not positive definite even with damping: both fall back to the same least-squares solve
+    expected = refit_kept(gram[idx][:, idx], cross[idx]).to(down.dtype)
+    got = refit_down_proj(acts.T @ acts, down, keep, cross=cross, overwrite=True, block_rows=7, in_place=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # not positive definite even with damping: the least-squares fallback
     indefinite = -torch.eye(90, dtype=torch.float64) + 0.01 * (acts.T @ acts) / 300
     expected = refit_down_proj(indefinite.clone(), down, keep)
-    torch.testing.assert_close(streaming.refit_down_proj_inplace(indefinite, down, keep), expected, atol=1e-5,
-                               rtol=1e-5)
+    for in_place in (False, True):
+        got = refit_down_proj(indefinite.clone(), down, keep, overwrite=True, block_rows=7, in_place=in_place)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_blocked_gram_matches_activation_stats(monkeypatch):
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 12 * 37 * 5)  # 5 rows per block
+def test_refit_kept_in_place_gives_the_same_bits():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(400, 70, generator=gen, dtype=torch.float64)
+    g, rhs = a.T @ a, torch.randn(70, 9, generator=gen, dtype=torch.float64)
+    copy = refit_kept(g, rhs)
+    assert torch.equal(g, a.T @ a)  # not overwritten
+    assert torch.equal(refit_kept(g.clone(), rhs, overwrite=True), copy)
+
+
+def test_blocked_gram_matches_activation_stats():
     a = torch.randn(3, 11, 37, generator=torch.Generator().manual_seed(1))
-    whole, blocked = ActivationStats(37, gram=True), streaming.BlockedGramStats(37, gram=True)
+    whole, blocked = ActivationStats(37, gram=True), ActivationStats(37, gram=True, block_rows=5)
     for part in (a[:2], a[2:]):
         whole.update(part)
         blocked.update(part)

@@ -443,14 +443,14 @@ def canonical_source_state_dict(hf_config, state_dict: dict[str, torch.Tensor]) 
     return out
 
 
-def _layer_template(name: str) -> tuple[str, int | None]:
+def layer_template(name: str) -> tuple[str, int | None]:
     m = re.search(r"\.(\d+)\.", name)
     if m is None:
         return name, None
     return name[: m.start()] + ".{i}." + name[m.end():], int(m.group(1))
 
 
-def _transform(kind: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def transform_tensor(kind: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if kind == COPY:
         return (tensor,)
     if kind == CONV1D:
@@ -462,6 +462,29 @@ def _transform(kind: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError(kind)
 
 
+def tlm_targets(hf_config, names) -> tuple[dict[str, tuple[str, str, int]], list[str]]:
+    """Where every TLM tensor comes from: TLM name -> (canonical source name, transform kind, part of its output),
+    in the order of ``names`` (canonical source names), and the source names that have no place in the model.
+    Dropped buffers and a tied head's copy are skipped."""
+    family = family_of(hf_config)
+    config = tlm_config_from_hf(hf_config)
+    table, drops = TENSOR_TABLES[family], [re.compile(p) for p in DROPPED_TENSORS[family]]
+    targets, unexpected = {}, []
+    for name in names:
+        if any(p.fullmatch(name) for p in drops):
+            continue
+        template, layer = layer_template(name)
+        if template not in table or (layer is not None and layer >= config.num_hidden_layers):
+            unexpected.append(name)
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the source's copy is ignored, exactly as transformers does
+        outs, kind = table[template]
+        for part, out in enumerate((outs,) if isinstance(outs, str) else outs):
+            targets[out.format(i=layer)] = (name, kind, part)
+    return targets, unexpected
+
+
 def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """TLM tensors for a source checkpoint (pure: the input is not modified; unchanged tensors are shared).
 
@@ -469,24 +492,15 @@ def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> di
     ``load_state_dict(strict=True)`` is satisfied); drop it before writing with ``safetensors.save_file``.
     Raises ValueError for unknown tensors, missing tensors or wrong shapes (all of them at once).
     """
-    family = family_of(hf_config)
     config = tlm_config_from_hf(hf_config)  # refuses what cannot be reproduced
-    table, drops = TENSOR_TABLES[family], [re.compile(p) for p in DROPPED_TENSORS[family]]
+    canonical = canonical_source_state_dict(hf_config, state_dict)
+    targets, unexpected = tlm_targets(hf_config, canonical)
     out: dict[str, torch.Tensor] = {}
-    unexpected = []
-    for name, tensor in canonical_source_state_dict(hf_config, state_dict).items():
-        if any(p.fullmatch(name) for p in drops):
-            continue
-        template, layer = _layer_template(name)
-        if template not in table or (layer is not None and layer >= config.num_hidden_layers):
-            unexpected.append(name)
-            continue
-        targets, kind = table[template]
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the source's copy is ignored, exactly as transformers does
-        targets = (targets,) if isinstance(targets, str) else targets
-        for target, value in zip(targets, _transform(kind, tensor)):
-            out[target.format(i=layer)] = value
+    parts: dict[str, tuple[torch.Tensor, ...]] = {}
+    for target, (name, kind, part) in targets.items():
+        if name not in parts:
+            parts[name] = transform_tensor(kind, canonical[name])
+        out[target] = parts[name][part]
     if config.tie_word_embeddings and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     _check_against_model(config, out, unexpected)
@@ -516,6 +530,9 @@ __all__ = [
     "family_of",
     "tlm_config_from_hf",
     "tlm_state_dict_from_hf",
+    "tlm_targets",
     "canonical_source_state_dict",
+    "layer_template",
+    "transform_tensor",
     "mlp_keys",
 ]

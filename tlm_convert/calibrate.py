@@ -1,8 +1,13 @@
-"""Sequential, layer-by-layer calibration and resizing of a TLM.
+"""The conversion's layer loop: sequential, layer-by-layer calibration and resizing of a TLM.
 
 The calibration tokens flow through the model one layer at a time, and every layer is converted before the
 next one sees its input ("sequential" calibration, as SparseGPT processes layers): layer l's statistics are
 taken on the output of the already-converted layers 0..l-1, so each refit absorbs the error upstream of it.
+
+Every conversion runs :func:`convert_layers`. What differs between "the whole model in memory" and "one layer at a
+time from disk" is where the layers come from and where they go (a :class:`Layers`: the model's own layers,
+converted in place, or a checkpoint streamed layer by layer into shards, tlm_convert.stream) and a
+:class:`MemoryPolicy` (which temporaries may be formed whole) -- not the algorithm.
 
 Per layer l, after z = mix(h) for every batch:
 
@@ -11,7 +16,8 @@ Per layer l, after z = mix(h) for every batch:
 * a shrinking layer runs its MLP only up to the down projection (the hook records the activations and stops the
   forward), keeps its top-scored neurons, refits the down projection by least squares on the kept neurons'
   activations (their Gram matrix only: |K|² instead of I²), and forms h = z + D′ a_K from the recorded
-  activations;
+  activations. When the policy does not keep activations of that size, the hook sums the Gram matrix AᵀA (and the
+  residual target's AᵀY) batch by batch instead, the refit takes G_KK from it, and the resized MLP runs again;
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
@@ -24,16 +30,115 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .compensate import DAMP, obs_prune, refit_kept
-from .importance import StopForward, activation_stats, neuron_scores
+from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
+from .errors import ConversionError
+from .importance import StopForward, activation_stats, add_gram, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
+
+NOISE_SCALE = 1e-2  # new neurons' output columns, relative to the RMS of the layer's columns (surgery.resize_layer)
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """Which temporaries the layer loop may form whole. The arithmetic is the same under every policy up to the
+    order of fp32 summation, and exactly the same while a layer fits the limits.
+
+    keep_activations_bytes: a shrinking layer keeps its first pass's activations (for the refit's system and the
+        resized layer's output) up to this size; above it they are summed into AᵀA (and AᵀY) during the pass and the
+        resized MLP runs again. None: always kept.
+    block_bytes: the largest temporary of the Gram matrix's updates and of the refit's right-hand side (row blocks),
+        and of the refit's solve: a K × K system larger than this is factored in its own storage. None: no limit.
+    obs_budget_bytes: ``importance="obs"`` holds about five dense I × I fp64 matrices per layer (the Gram matrix,
+        its damped inverse and its temporaries, the removal vectors); refused above this. None: no limit.
+    """
+
+    name: str
+    keep_activations_bytes: int | None = None
+    block_bytes: int | None = None
+    obs_budget_bytes: int | None = None
+
+    def keeps(self, nbytes: int) -> bool:
+        return self.keep_activations_bytes is None or nbytes <= self.keep_activations_bytes
+
+    def solve_in_place(self, kept: int) -> bool:
+        """Whether the refit factors its (kept x kept) fp64 system in place (compensate.refit_kept)."""
+        return self.block_bytes is not None and 8 * kept * kept > self.block_bytes
+
+    def rows(self, bytes_per_row: int) -> int | None:
+        """Rows per block of a product whose rows take ``bytes_per_row``; None: one block."""
+        return None if self.block_bytes is None else max(1, self.block_bytes // max(1, bytes_per_row))
+
+    @staticmethod
+    def obs_bytes(width: int) -> int:
+        return 5 * 8 * width * width
+
+    def obs_fits(self, width: int) -> bool:
+        return self.obs_budget_bytes is None or self.obs_bytes(width) <= self.obs_budget_bytes
+
+    def check_obs(self, width: int) -> None:
+        """ConversionError when OBS's I × I matrices for an MLP of ``width`` neurons exceed the budget."""
+        need = self.obs_bytes(width)
+        if not self.obs_fits(width):
+            raise ConversionError(f"--importance obs needs about {need / 2**30:.1f} GiB for its {width} x {width} "
+                                  f"matrices, above the {self.name.replace('_', '-')} budget of "
+                                  f"{self.obs_budget_bytes / 2**30:.1f} GiB; use --importance activation, or drop "
+                                  "--low-memory")
+
+
+IN_MEMORY = MemoryPolicy("in_memory")
+LOW_MEMORY = MemoryPolicy("low_memory", keep_activations_bytes=256 << 20, block_bytes=64 << 20,
+                          obs_budget_bytes=2 << 30)
+
+
+class Layers(Protocol):
+    """Where the loop's layers come from and where they go."""
+
+    def embedded(self) -> None:
+        """The calibration tokens are embedded (a streamed source lets go of the embeddings)."""
+
+    def layer(self, i: int):
+        """Decoder layer i with its source weights, resident, fp32."""
+
+    def done(self, i: int, layer, plan: LayerPlan, score: torch.Tensor) -> None:
+        """Layer i converted (its MLP resized in place); the loop no longer uses it."""
+
+
+class ModelLayers:
+    """The in-memory source and sink: the model's own layers, converted in place."""
+
+    def __init__(self, model):
+        self.layers = model.model.layers
+
+    def embedded(self) -> None:
+        pass
+
+    def layer(self, i: int):
+        return self.layers[i]
+
+    def done(self, i, layer, plan, score) -> None:
+        pass
+
+
+@dataclass
+class LayerSettings:
+    """The options of the layer loop (see :func:`calibrate_and_plan` for their meaning)."""
+
+    importance: str = "activation"
+    grow_init: str = "noise"
+    refit: bool = True
+    refit_target: str = "local"
+    batch_size: int = 8
+    seed: int = 0
+    noise_scale: float = NOISE_SCALE
+    damp: float = DAMP
 
 
 @dataclass
@@ -47,8 +152,8 @@ class CalibrationResult:
 @torch.no_grad()
 def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importance: str = "activation",
                        grow_init: str = "noise", refit: bool = True, batch_size: int = 8, seed: int = 0,
-                       noise_scale: float = 1e-2, damp: float = DAMP, refit_target: str = "local",
-                       progress=None, timer=None) -> CalibrationResult:
+                       noise_scale: float = NOISE_SCALE, damp: float = DAMP, refit_target: str = "local",
+                       progress=None, timer=None, policy: MemoryPolicy = IN_MEMORY) -> CalibrationResult:
     """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
 
     blocks: (n, S) token ids. ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context
@@ -62,17 +167,31 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
     their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
     does not apply to sandwich-norm (Gemma 3) blocks.
     """
+    settings = LayerSettings(importance=importance, grow_init=grow_init, refit=refit, refit_target=refit_target,
+                             batch_size=batch_size, seed=seed, noise_scale=noise_scale, damp=damp)
+    return convert_layers(model.model, ModelLayers(model), blocks, widths, settings, policy, progress, timer)
+
+
+@torch.no_grad()
+def convert_layers(base, layers: Layers, blocks: torch.Tensor, widths: list[int], settings: LayerSettings,
+                   policy: MemoryPolicy = IN_MEMORY, progress=None, timer=None) -> CalibrationResult:
+    """The layer loop every conversion runs: ``base`` (a TLMModel whose embeddings, rotary tables and masks are
+    usable; its layers are not touched) embeds the calibration blocks (n, S); then per layer i, ``layers.layer(i)``
+    is calibrated, planned, refitted and resized to ``widths[i]``, handed to ``layers.done`` and its output carried
+    on. Arguments as :func:`calibrate_and_plan`."""
     timer = timer or _no_timer
-    residual = refit and refit_target == "residual" and not model.config.sandwich_norm
-    base = model.model
-    device = next(model.parameters()).device
-    batches = [blocks[i : i + batch_size].to(device) for i in range(0, len(blocks), batch_size)]
+    residual = settings.refit and settings.refit_target == "residual" and not base.config.sandwich_norm
+    device = base.embed_tokens.weight.device
+    bs = settings.batch_size
+    batches = [blocks[i : i + bs].to(device) for i in range(0, len(blocks), bs)]
     positions = [torch.arange(b.shape[1], device=device).expand(b.shape[0], -1) for b in batches]
     hidden = [base.embed(base.embed_tokens(b), p) for b, p in zip(batches, positions)]
+    layers.embedded()
     source_hidden = None  # the source layers' residual stream, from the first shrinking layer on
-    step = _LayerStep(base, positions, importance, grow_init, refit, seed, noise_scale, damp, timer)
+    step = _LayerStep(base, positions, settings, policy, timer)
     plans, scores = [], []
-    for i, layer in enumerate(base.layers):
+    for i in range(base.config.num_hidden_layers):
+        layer = layers.layer(i)
         width, source_width = widths[i], layer.mlp.down_proj.in_features
         with timer("calibrate"):
             if residual and width < source_width and source_hidden is None:
@@ -82,12 +201,14 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
                 source_hidden = [layer.feed_forward(z) for z in step.mix(layer, source_hidden)]
         if width < source_width:
             plan, score, hidden = step.shrink(i, layer, mixed, width, source_hidden)
-        elif width > source_width and grow_init != "split":
+        elif width > source_width and settings.grow_init != "split":
             plan, score, hidden = step.grow(i, layer, mixed, width)
         else:
             plan, score, hidden = step.keep_or_split(i, layer, mixed, width)
         plans.append(plan)
         scores.append(score.float())
+        layers.done(i, layer, plan, scores[-1])
+        del layer
         if progress is not None:
             progress(i)
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
@@ -97,10 +218,10 @@ class _LayerStep:
     """The three ways a layer is calibrated and resized (see the module docstring); each returns
     (plan, scores of the source neurons, the layer's output per batch). Consumes ``mixed`` batch by batch."""
 
-    def __init__(self, base, positions, importance, grow_init, refit, seed, noise_scale, damp, timer):
-        self.base, self.positions, self.timer = base, positions, timer
-        self.importance, self.grow_init, self.refit = importance, grow_init, refit
-        self.seed, self.noise_scale, self.damp = seed, noise_scale, damp
+    def __init__(self, base, positions, settings: LayerSettings, policy: MemoryPolicy, timer):
+        self.base, self.positions, self.policy, self.timer = base, positions, policy, timer
+        self.importance, self.grow_init, self.refit = settings.importance, settings.grow_init, settings.refit
+        self.seed, self.noise_scale, self.damp = settings.seed, settings.noise_scale, settings.damp
 
     def mix(self, layer, hidden: list) -> list:
         """z = mix(h) per batch; frees each input batch as soon as it is mixed."""
@@ -139,22 +260,26 @@ class _LayerStep:
         return plan, score, hidden
 
     def shrink(self, i, layer, mixed, width, source_hidden):
+        down = layer.mlp.down_proj
+        tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
+        if not self.policy.keeps(tokens * down.in_features * 4):
+            return self.shrink_summed(i, layer, mixed, width, source_hidden)
         obs = self.importance == "obs"
+        rows = self.policy.rows(12 * down.in_features)
         with self.timer("calibrate"):
-            with activation_stats(layer.mlp.down_proj, gram=obs and source_hidden is None, keep=True,
-                                  stop=True) as stats:
+            with activation_stats(down, gram=obs and source_hidden is None, keep=True, stop=True,
+                                  block_rows=rows) as stats:
                 for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
                     try:
                         layer.feed_forward(z)
                     except StopForward:
                         pass
         score = self.scores(i, layer, stats)
-        down = layer.mlp.down_proj
         if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
             start = down.weight
             if source_hidden is not None:
                 with self.timer("calibrate"):
-                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden)
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows)
                 with self.timer("rank"):
                     start = refit_kept(stats.gram, rhs, damp=self.damp)
             with self.timer("rank"):
@@ -164,9 +289,14 @@ class _LayerStep:
             plan = plan_from_scores([score], [width])[0]
             if self.refit:
                 with self.timer("calibrate"):
-                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden)
+                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
+                in_place = self.policy.solve_in_place(width)
+                if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
+                    rhs = rhs.T.contiguous().T
                 with self.timer("rank"):
-                    plan.down_override = refit_kept(gram, rhs, damp=self.damp).to(down.weight.dtype)
+                    plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True,
+                                                    in_place=in_place).to(down.weight.dtype)
+                del gram, rhs
         stats.gram = None
         with self.timer("resize"):
             self.resize(i, layer, plan)
@@ -175,6 +305,62 @@ class _LayerStep:
                 hidden.append(_feed_forward_reusing(layer, mixed[b], stats.kept[b], plan))
                 mixed[b] = stats.kept[b] = None
         return plan, score, hidden
+
+    def shrink_summed(self, i, layer, mixed, width, source_hidden):
+        """``shrink`` for activations too large to keep: AᵀA (and AᵀY) are summed batch by batch during the
+        statistics pass, the refit takes G_KK out of AᵀA in place, and the resized MLP runs again."""
+        down = layer.mlp.down_proj
+        obs = self.importance == "obs"
+        solve = obs or self.refit
+        cross = _Cross(down, mixed, source_hidden, self.policy) if solve and source_hidden is not None else None
+        with self.timer("calibrate"):
+            with activation_stats(down, gram=solve, stop=True, block_rows=self.policy.rows(12 * down.in_features),
+                                  on_batch=cross) as stats:
+                for z in mixed:
+                    try:
+                        layer.feed_forward(z)
+                    except StopForward:
+                        pass
+        score = self.scores(i, layer, stats)
+        gram, stats.gram = stats.gram, None
+        target = None if cross is None else cross.total  # (I, d) = AᵀY of the residual target
+        with self.timer("rank"):
+            if obs:
+                start = down.weight if target is None else refit_kept(gram, target, damp=self.damp)
+                target = None
+                keep, new_down = obs_prune(gram, start, width, damp=self.damp)
+                plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
+            else:
+                plan = plan_from_scores([score], [width])[0]
+                if self.refit:
+                    plan.down_override = refit_down_proj(gram, down.weight, plan.keep, damp=self.damp, cross=target,
+                                                         overwrite=True, block_rows=self.policy.rows(8 * len(gram)),
+                                                         in_place=self.policy.solve_in_place(width))
+            del gram, target
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+            hidden = _consume(mixed, layer.feed_forward)
+        return plan, score, hidden
+
+
+class _Cross:
+    """The residual target's AᵀY = Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time from the
+    statistics hook (batches in order), in row blocks of the policy's size."""
+
+    def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy):
+        self.bias, self.mixed, self.source_hidden = down.bias, mixed, source_hidden
+        self.total = torch.zeros(down.in_features, down.out_features, dtype=torch.float64)
+        self.rows, self.batch = policy.rows(12 * down.out_features), 0
+
+    def __call__(self, a: torch.Tensor) -> None:
+        target = self.source_hidden[self.batch] - self.mixed[self.batch]  # (B, S, d)
+        self.batch += 1
+        if self.bias is not None:
+            target = target - self.bias
+        acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
+        rows = self.rows or len(acts)
+        for r in range(0, len(acts), rows):
+            self.total[r : r + rows] += (acts[r : r + rows] @ target).double()
 
 
 def _consume(mixed: list, fn) -> list:
@@ -194,14 +380,15 @@ def _weights(mlp, width=None) -> dict:
     return out
 
 
-def _kept_system(down, acts, mixed, keep, source_hidden=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
     all neurons, no copy of the activations).
 
     Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
-    the source stream, h_src − z − b ("residual"). fp32 products per batch, accumulated in fp64."""
+    the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
+    rows), accumulated in fp64."""
     idx = None if keep is None else torch.as_tensor(keep, dtype=torch.long, device=down.weight.device)
-    gram = rhs = 0
+    gram = rhs = None
     for b, a in enumerate(acts):
         a = a.flatten(0, 1).float()  # (N_b, I)
         a_k = a if idx is None else a.index_select(1, idx)  # (N_b, K)
@@ -211,8 +398,11 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None) -> tuple[torch.Ten
             target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
             if down.bias is not None:
                 target = target - down.bias.float()
-        gram = gram + (a_k.T @ a_k).double()
-        rhs = rhs + (a_k.T @ target).double()
+        if gram is None:
+            gram = torch.zeros(a_k.shape[1], a_k.shape[1], dtype=torch.float64, device=a.device)
+            rhs = torch.zeros(a_k.shape[1], target.shape[1], dtype=torch.float64, device=a.device)
+        add_gram(gram, a_k, rows)
+        rhs += (a_k.T @ target).double()
     return gram, rhs
 
 
@@ -253,15 +443,17 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
     mlp = layer.mlp
     sd = {prefix + k: v for k, v in mlp.state_dict().items()}
     new = resize_layer(sd, idx, plan, grow_init, noise_scale, seed, gated=hasattr(mlp, "gate_proj"))
+    del sd
     for name, module in mlp.named_children():
         if not isinstance(module, nn.Linear):
             continue
-        weight = new[prefix + name + ".weight"]
+        weight = new.pop(prefix + name + ".weight")
         module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
         if prefix + name + ".bias" in new:  # down_proj's bias is per output, never resized
-            module.bias = nn.Parameter(new[prefix + name + ".bias"], requires_grad=module.bias.requires_grad)
+            module.bias = nn.Parameter(new.pop(prefix + name + ".bias"), requires_grad=module.bias.requires_grad)
         module.out_features, module.in_features = weight.shape
     mlp.intermediate_size = plan.width
 
 
-__all__ = ["calibrate_and_plan", "CalibrationResult"]
+__all__ = ["calibrate_and_plan", "convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
+           "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]

@@ -17,8 +17,9 @@ TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with 
 folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
 settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
 
-``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names), for
-streaming conversions that must not hold the whole model in memory.
+``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names;
+safetensors with plain file reads, not memory maps);
+tlm_convert.stream reads one layer at a time (TLM names) for the low-memory policy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,12 +46,15 @@ from .archs import (
 )
 from .errors import ConversionError, one_line
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+# the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "spiece.model")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # safetensors files in a folder that are not (part of) the transformers checkpoint
 _FOREIGN_SAFETENSORS = re.compile(r"(adapter_model|consolidated)(\.\d+)?\.safetensors")
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -85,64 +90,126 @@ class Source:
         return "tlm" if self.hf_config is None else self.hf_config.model_type
 
     def tokenizer_kwargs(self) -> tuple[str, dict] | None:
-        """(path, kwargs) for ``AutoTokenizer.from_pretrained(path, **kwargs)``, None without a tokenizer."""
-        if self.tokenizer_source is None:
-            return None
-        trust = {"trust_remote_code": self.trust_remote_code}
-        if isinstance(self.tokenizer_source, tuple):
-            return self.tokenizer_source[0], {"gguf_file": self.tokenizer_source[1], **trust}
-        return self.tokenizer_source, trust
+        return tokenizer_kwargs(self.tokenizer_source, self.trust_remote_code)
+
+
+def tokenizer_kwargs(tokenizer_source, trust_remote_code: bool) -> tuple[str, dict] | None:
+    """(path, kwargs) for ``AutoTokenizer.from_pretrained(path, **kwargs)`` of a source's ``tokenizer_source`` (a
+    folder, or (folder, gguf_file)), None without a tokenizer."""
+    if tokenizer_source is None:
+        return None
+    trust = {"trust_remote_code": trust_remote_code}
+    if isinstance(tokenizer_source, tuple):
+        return tokenizer_source[0], {"gguf_file": tokenizer_source[1], **trust}
+    return tokenizer_source, trust
 
 
 # ================================================================================================ lazy reading
 
 
-class LazyTensors(Mapping):
-    """A read-only mapping name -> tensor whose values are read from disk on access (one tensor at a time).
-
-    ``shape(name)`` / ``dtype(name)`` / ``file(name)`` answer from the file headers without reading data.
-    Read errors (corrupt or truncated files) are raised as ConversionError naming the file.
-    """
-
-    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-                 dtypes: dict[str, str], files: dict[str, str]):
-        self._loaders, self._shapes, self._dtypes, self._files = loaders, shapes, dtypes, files
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._loaders[name]()
-
-    def __iter__(self):
-        return iter(self._loaders)
-
-    def __len__(self) -> int:
-        return len(self._loaders)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
-
-    def dtype(self, name: str) -> str:
-        return self._dtypes[name]
-
-    def file(self, name: str) -> str:
-        return self._files[name]
-
-
-def _corrupt(file, err) -> ConversionError:
+def corrupt_error(file, err) -> ConversionError:
     return ConversionError(f"'{file}' is corrupt or truncated ({one_line(err)}); re-download it")
 
 
-def _open_safetensors(file: Path):
-    from safetensors import safe_open
+class TensorIndex(Mapping):
+    """A read-only mapping name -> tensor over checkpoint files, each tensor read on access; ``_where[name]`` is
+    (file, shape, what the reader needs), so that ``shape(name)`` / ``file(name)`` answer without reading data."""
 
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
-    except Exception as err:  # SafetensorError (header), OSError, ...
-        raise _corrupt(file, err) from None
+    def __init__(self):
+        self._where: dict[str, tuple[Path, tuple[int, ...], object]] = {}
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][1]
+
+    def file(self, name: str) -> str:
+        return str(self._where[name][0])
 
 
-def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsFiles(TensorIndex):
+    """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
+
+    No memory map: the pages of a mapped file stay in the process's resident set while it is mapped (safetensors'
+    ``safe_open`` keeps its mapping for the life of the handle), so streaming a 10 GB checkpoint through mapped
+    handles would count all of it in the peak RSS. Reads go through the page cache, which is not the process's.
+    Headers are read and checked (lengths, offsets, file sizes) up front; problems are ConversionErrors.
+    """
+
+    def __init__(self, files):
+        super().__init__()
+        for file in files:
+            self._read_header(Path(file))
+
+    def _read_header(self, file: Path) -> None:
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < length <= size - 8:
+                    raise ValueError("the header length does not fit the file")
+                header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except FileNotFoundError:
+            raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
+        except (OSError, ValueError) as err:
+            raise corrupt_error(file, err) from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                shape = tuple(int(n) for n in info["shape"])
+                start, end = (int(n) for n in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise corrupt_error(file, f"bad header entry for {name}: {one_line(err)}") from None
+            if dtype is None:
+                raise ConversionError(f"tensor '{name}' in '{file}' has dtype {info['dtype']}, which tlm-convert does "
+                                      "not read; convert a bf16/fp16/fp32 checkpoint")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - start != nbytes or start < 0 or 8 + length + end > size:
+                raise corrupt_error(file, f"the data of {name} lies outside the file")
+            if name in self._where:
+                raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
+                                      "shards overlap, re-download the checkpoint")
+            self._where[name] = (file, shape, (dtype, 8 + length + start, nbytes))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, shape, (dtype, offset, nbytes) = self._where[name]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        try:
+            with open(file, "rb", buffering=0) as f:
+                f.seek(offset)
+                while done < nbytes:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise OSError("unexpected end of file")
+                    done += got
+        except OSError as err:
+            raise corrupt_error(file, err) from None
+        return buffer.view(dtype).reshape(shape)
+
+
+def all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
+    # in blocks: torch.isfinite on a whole tensor briefly takes about 1.7x the tensor's own size
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
+
+
+def open_safetensors_lazy(path: str | os.PathLike) -> SafetensorsFiles:
     """Every tensor of a safetensors checkpoint (a folder, sharded or not, or one .safetensors file), lazily.
 
     The file headers are read (and validated) now; tensor data is read when a value is accessed.
@@ -154,31 +221,7 @@ def open_safetensors_lazy(path: str | os.PathLike) -> LazyTensors:
             raise ConversionError(f"'{path}' holds .bin weights, not safetensors; use iter_source_tensors for it")
     else:
         files = [path]
-    handles, loaders, shapes, dtypes, where = {}, {}, {}, {}, {}
-    for file in files:
-        handle = handles[file] = _open_safetensors(file)
-        for name in handle.keys():
-            if name in loaders:
-                raise ConversionError(f"tensor '{name}' appears in both '{where[name]}' and '{file}'; "
-                                      "the shards overlap, re-download the checkpoint")
-            try:
-                view = handle.get_slice(name)
-                shapes[name], dtypes[name] = tuple(view.get_shape()), view.get_dtype()
-            except Exception as err:
-                raise _corrupt(file, err) from None
-            loaders[name] = _safetensors_loader(handle, file, name)
-            where[name] = str(file)
-    return LazyTensors(loaders, shapes, dtypes, where)
-
-
-def _safetensors_loader(handle, file, name):
-    def load() -> torch.Tensor:
-        try:
-            return handle.get_tensor(name)
-        except Exception as err:
-            raise _corrupt(file, err) from None
-
-    return load
+    return SafetensorsFiles(files)
 
 
 def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None, check_finite: bool = True,
@@ -193,7 +236,7 @@ def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = Non
 
     def prepare(name, tensor, file):
         checked = check_finite and not any(p.fullmatch(name) for p in patterns)
-        return _prepare(name, tensor, file, dtype, checked)
+        return prepare_tensor(name, tensor, file, dtype, checked)
 
     path = Path(path)
     if path.suffix.lower() == ".gguf":
@@ -217,15 +260,17 @@ def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = Non
             yield name, prepare(name, tensor, file)
 
 
-def _prepare(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None, check_finite: bool) -> torch.Tensor:
+def prepare_tensor(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None,
+                   check_finite: bool = True) -> torch.Tensor:
+    """``tensor`` (named ``name``, read from ``file``) checked for NaN/Inf and cast to ``dtype`` (ConversionErrors)."""
     if not tensor.is_floating_point():
         return tensor
-    if check_finite and not bool(torch.isfinite(tensor).all()):
+    if check_finite and not all_finite(tensor):
         raise ConversionError(f"tensor '{name}' in '{file}' contains NaN or Inf values; the checkpoint is damaged "
                               "(re-download it or fix the model that produced it)")
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
-        if check_finite and not bool(torch.isfinite(tensor).all()):
+        if check_finite and not all_finite(tensor):
             raise ConversionError(f"tensor '{name}' in '{file}' overflows in {str(dtype).replace('torch.', '')}; "
                                   "convert with --dtype float32 or bfloat16")
     return tensor
@@ -252,6 +297,38 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
+class BinTensors(TensorIndex):
+    """name -> tensor of a set of PyTorch .bin shards, one tensor at a time: each access maps its shard
+    (``torch.load(weights_only=True, mmap=True)``: no pickled code runs), copies the tensor out and lets go of the
+    mapping. Legacy (non-zip) files cannot be mapped and are refused."""
+
+    def __init__(self, files):
+        super().__init__()
+        for file in files:
+            for name, tensor in self._map(file).items():
+                self._where[name] = (file, tuple(tensor.shape), None)
+
+    @staticmethod
+    def _map(file: Path) -> dict[str, torch.Tensor]:
+        try:
+            obj = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" in str(err):
+                raise ConversionError(f"'{file}' is a legacy PyTorch file, which cannot be read one tensor at a "
+                                      "time; drop --low-memory, or re-save the model with save_pretrained") from None
+            return _load_bin(file)  # the same file, whose errors _load_bin reports
+        except Exception:
+            return _load_bin(file)
+        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            obj = obj["state_dict"]
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return _load_bin(file)
+        return obj
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._map(self._where[name][0])[name].clone()
+
+
 def weight_files(folder: Path) -> tuple[str, list[Path]]:
     """("safetensors" | "bin", files) of a checkpoint folder, in transformers' order of preference."""
     folder = Path(folder)
@@ -259,7 +336,7 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                                      (BIN_INDEX, "pytorch_model.bin", "bin")):
         index = folder / index_name
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"'{index}' has no weight_map; re-download the checkpoint")
             shards = [folder / name for name in sorted(set(weight_map.values()))]
@@ -277,7 +354,7 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                           "or pytorch_model.bin); download the weights too")
 
 
-def _read_json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
@@ -335,7 +412,7 @@ def _load_source(source: str | os.PathLike, dtype: torch.dtype) -> Source:
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
-        if _HUB_ID.fullmatch(text) and ".." not in text:
+        if HUB_ID.fullmatch(text) and ".." not in text:
             path = _download(text)
         else:
             raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "
@@ -413,7 +490,7 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
                                   "base model (merge_and_unload + save_pretrained) and convert that folder")
         raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
                               "model.safetensors), a .gguf file or a TLM checkpoint folder")
-    raw = _read_json(config_file)
+    raw = read_json(config_file)
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
@@ -422,8 +499,8 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     hf_config = read_hf_config(path, raw)
     weight_files(path)  # "config without weights" before anything is read
     tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
-    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=_tokenizer_folder(path),
-                    generation_config=_generation_config(path))
+    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=tokenizer_folder(path),
+                    generation_config=generation_config_of(path))
 
 
 def read_hf_config(path: Path, raw: dict):
@@ -446,11 +523,11 @@ def read_hf_config(path: Path, raw: dict):
     return hf_config
 
 
-def _tokenizer_folder(path: Path) -> str | None:
+def tokenizer_folder(path: Path) -> str | None:
     return str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
 
 
-def _generation_config(path: Path):
+def generation_config_of(path: Path):
     if not (path / "generation_config.json").is_file():
         return None
     from transformers import GenerationConfig
@@ -520,8 +597,8 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     check_tlm_state_dict(config, tensors, where=str(path))
     return Source(kind="tlm", path=str(path), hf_config=None, family="tlm", tlm_config=config, state_dict=tensors,
-                  tokenizer_source=_tokenizer_folder(path), num_params=count_params(tensors),
-                  generation_config=_generation_config(path), notes=notes)
+                  tokenizer_source=tokenizer_folder(path), num_params=count_params(tensors),
+                  generation_config=generation_config_of(path), notes=notes)
 
 
 def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:
@@ -576,60 +653,78 @@ def _unpermute_gguf_rows(weights, n_head: int):
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The tensors of a llama-architecture GGUF under transformers names, dequantised one at a time from the
-    memory-mapped file: the same values as transformers' GGUF loader (which builds a whole model and a second
-    copy of every tensor). None for files this reader does not map (other architectures, biases, extra tensors,
-    a tied config with an output.weight): the caller then loads through transformers."""
-    import numpy as np
+class GGUFTensors(TensorIndex):
+    """transformers name -> fp32 tensor of a llama-architecture GGUF file, dequantised on access from the
+    memory-mapped file (Q/K rows un-permuted): the values of transformers' GGUF loader, one tensor at a time.
+    ``open`` returns None for files this reader does not map (other architectures, biases, extra tensors, a tied
+    config with an output.weight)."""
 
-    try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-    except ImportError:
-        return None
-    try:
-        reader = GGUFReader(str(file))
-        field = reader.fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
-        if arch != "llama" or hf_config.model_type != "llama":
+    def __init__(self, file: Path, reader, names: dict[str, str], heads: dict[str, int]):
+        super().__init__()
+        self.path, self._reader, self._heads = file, reader, heads
+        for t in reader.tensors:  # GGUF lists the fastest axis first
+            self._where[names[t.name]] = (file, tuple(int(n) for n in reversed(t.shape)), t)
+
+    @classmethod
+    def open(cls, file: Path, hf_config) -> GGUFTensors | None:
+        try:
+            from gguf import GGUFReader
+        except ImportError:
             return None
-        heads = reader.fields.get("llama.attention.head_count")
-        kv_heads = reader.fields.get("llama.attention.head_count_kv")
-        names = {t.name: _gguf_llama_name(t.name) for t in reader.tensors}
-    except Exception:  # unreadable here: transformers' loader reports it
-        return None
-    if heads is None or kv_heads is None or None in names.values():
-        return None
-    if _is_tied(hf_config) and "output.weight" in names:
-        return None
-    n_head, n_kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    tensors = {}
-    for tensor in reader.tensors:
+        try:
+            reader = GGUFReader(str(file))
+            field = reader.fields.get("general.architecture")
+            arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+            if arch != "llama" or hf_config.model_type != "llama":
+                return None
+            heads = reader.fields.get("llama.attention.head_count")
+            kv_heads = reader.fields.get("llama.attention.head_count_kv")
+            names = {t.name: _gguf_llama_name(t.name) for t in reader.tensors}
+        except Exception:  # unreadable here: transformers' loader reports it
+            return None
+        if heads is None or kv_heads is None or None in names.values():
+            return None
+        if _is_tied(hf_config) and "output.weight" in names:
+            return None
+        return cls(file, reader, names, {".attn_q.": hf_config.num_attention_heads,
+                                         ".attn_k.": hf_config.num_key_value_heads})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import numpy as np
+        from gguf.quants import dequantize
+
+        tensor = self._where[name][2]
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)
         except Exception as err:
-            raise ConversionError(f"'{file}' cannot be read as GGUF ({one_line(err)}); it is corrupt or truncated, "
-                                  "re-download it") from None
-        if ".attn_q." in tensor.name:
-            weights = _unpermute_gguf_rows(weights, n_head)
-        elif ".attn_k." in tensor.name:
-            weights = _unpermute_gguf_rows(weights, n_kv)
+            raise ConversionError(f"'{self.path}' cannot be read as GGUF ({one_line(err)}); it is corrupt or "
+                                  "truncated, re-download it") from None
+        for part, n_head in self._heads.items():
+            if part in tensor.name:
+                weights = _unpermute_gguf_rows(weights, n_head)
         value = torch.from_numpy(np.copy(weights)).to(torch.float32)
         del weights
-        name = names[tensor.name]
-        tensors[name] = _prepare(name, value, file, dtype, True)
+        return value
+
+
+def _read_gguf_tensors(file: Path, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Every tensor of a llama-architecture GGUF (:class:`GGUFTensors`), read one at a time; None for files that
+    reader does not map (the caller then loads through transformers)."""
+    lazy = GGUFTensors.open(file, hf_config)
+    if lazy is None:
+        return None
+    tensors = {name: prepare_tensor(name, lazy[name], file, dtype, True) for name in lazy}
     if _is_tied(hf_config) and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
 
 
-def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def read_gguf_config(file: Path):
+    """The transformers config of a .gguf file (its model type checked); ConversionError when it cannot be read."""
+    from transformers import AutoConfig
 
-    folder, name = str(file.parent), file.name
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        hf_config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name, trust_remote_code=False)
     except ImportError:
         raise ConversionError("reading .gguf files needs the gguf package; pip install 'gguf>=0.10' "
                               "(or tapered-lm[gguf])") from None
@@ -642,6 +737,14 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(hf_config.model_type, None, file)
+    return hf_config
+
+
+def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(file.parent), file.name
+    hf_config = read_gguf_config(file)
     tensors = _read_gguf_tensors(file, hf_config, dtype)
     if tensors is not None:  # read tensor by tensor: no transformers model, no second copy of the weights
         from transformers import GenerationConfig
@@ -655,7 +758,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
     except Exception as err:
         raise ConversionError(f"transformers cannot load the weights of '{file}' ({one_line(err)}); re-download "
                               "it or convert the original safetensors folder") from None
-    tensors = {k: _prepare(k, v.detach(), file, dtype, True) for k, v in model.state_dict().items()}
+    tensors = {k: prepare_tensor(k, v.detach(), file, dtype, True) for k, v in model.state_dict().items()}
     generation_config = getattr(model, "generation_config", None)
     hf_config = model.config
     del model
@@ -665,7 +768,13 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 
 __all__ = [
     "Source",
-    "LazyTensors",
+    "SafetensorsFiles",
+    "TensorIndex",
+    "prepare_tensor",
+    "all_finite",
+    "GGUFTensors",
+    "BinTensors",
+    "read_gguf_config",
     "load_source",
     "open_safetensors_lazy",
     "iter_source_tensors",

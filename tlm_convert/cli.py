@@ -1,10 +1,9 @@
-"""Command-line interface: ``tlm-convert`` and the ``tlm`` group (eval, analyze; tlm_train.cli adds train and
-compare). Only the CLI modules print."""
+"""Command-line interface: ``tlm-convert`` (also ``tlm convert``, in the ``tlm`` group of tlm_train.cli) and the
+helpers every command uses (one-line errors and usage errors, quiet libraries). Only the CLI modules print."""
 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import sys
@@ -13,13 +12,19 @@ from pathlib import Path
 
 import click
 
+from tlm import SCHEDULES
+
 from .checkpoint import resolve_builtin
+from .convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions
 from .errors import ConversionError, one_line
+from .export import FORMATS
+from .importance import METRICS
+from .surgery import GROW_INITS
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
 
 
-def _fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -29,19 +34,19 @@ def _message(err: BaseException) -> str:
     return one_line(err) or type(err).__name__
 
 
-def _report_failure(err: BaseException) -> None:
+def report_failure(err: BaseException) -> None:
     """Print ``err`` as one ``error:`` line and exit non-zero (never a traceback, unless TLM_DEBUG is set).
 
     Expected failures (ConversionError, bad values, file-system errors) print their message; anything else is a
     bug and says so, with the way to get the traceback.
     """
     if isinstance(err, KeyboardInterrupt):
-        _fail("interrupted", code=130)
+        fail("interrupted", code=130)
     if isinstance(err, (ConversionError, ValueError, OSError)):
-        _fail(_message(err))
+        fail(_message(err))
     if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
         raise err
-    _fail(f"internal error: {type(err).__name__}: {_message(err)} (set {DEBUG_ENV}=1 for the traceback and please "
+    fail(f"internal error: {type(err).__name__}: {_message(err)} (set {DEBUG_ENV}=1 for the traceback and please "
           "report it)")
 
 
@@ -50,12 +55,19 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     click.echo(f"warning: {one_line(message)}", err=True)
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.showwarning = _show_warning
+
+
+def check_positive(**values: int) -> None:
+    """ConversionError naming the first option (``seq_len=...`` is --seq-len) that is not a positive integer."""
+    for name, value in values.items():
+        if value < 1:
+            raise ConversionError(f"option --{name.replace('_', '-')} must be a positive integer, got {value}")
 
 
 def _check_device(device: str) -> None:
@@ -91,7 +103,7 @@ class _OneLineUsageError(click.ClickException):
         click.echo(f"error: {message} (see '{self.command_path} --help')", err=True)
 
 
-class _Command(click.Command):
+class OneLineCommand(click.Command):
     """click.Command whose usage errors are one line (click prints usage, a hint and the error otherwise)."""
 
     def make_context(self, info_name, args, parent=None, **extra):
@@ -136,8 +148,8 @@ def _return_freed_memory() -> None:
     """glibc only: serve allocations of 1 MiB and more with mmap, so that freed tensors go back to the system.
 
     Without this, glibc raises its mmap threshold as large blocks are freed and then serves the per-layer tensors
-    of the calibration from the heap, whose freed holes are never returned: on SmolLM2-135M about 500 MB of
-    resident memory that no tensor uses (measured in bench/RESULTS.md). Values are unchanged; elsewhere a no-op.
+    of the calibration from the heap, whose freed holes are never returned: resident memory that no tensor uses
+    (bench/RESULTS.md has the measurement). Values are unchanged; elsewhere a no-op.
     """
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):  # the user chose
         return
@@ -150,12 +162,12 @@ def _return_freed_memory() -> None:
         pass
 
 
-@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]},
+@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data default-eval")
 @click.argument("input_model")
 @click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
 @click.option("--schedule", default="cosine", show_default=True,
-              type=click.Choice(["cosine", "linear", "sigmoid", "uniform", "three-group"]))
+              type=click.Choice(SCHEDULES))
 @click.option("--ratio", default="1.5/0.5", show_default=True, help="First/last layer width multipliers, A/B.")
 @click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
 @click.option("--calibration-data", default="default", show_default=True,
@@ -163,21 +175,22 @@ def _return_freed_memory() -> None:
 @click.option("--calibration-tokens", type=int, default=65536, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--importance", default=None,
-              type=click.Choice(["activation", "obs", "wanda_sp", "wifv", "magnitude", "random"]),
-              help="How shrinking layers choose their neurons [default: obs; activation with --low-memory].")
-@click.option("--grow-init", default="noise", show_default=True, type=click.Choice(["noise", "zero", "split"]))
+              type=click.Choice(METRICS),
+              help="How shrinking layers choose their neurons [default: obs; with --low-memory while its I x I "
+                   "matrices fit the budget, else activation].")
+@click.option("--grow-init", default="noise", show_default=True, type=click.Choice(GROW_INITS))
 @click.option("--refit/--no-refit", default=True, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")
-@click.option("--refit-target", default="residual", show_default=True, type=click.Choice(["residual", "local"]),
+@click.option("--refit-target", default="residual", show_default=True, type=click.Choice(REFIT_TARGETS),
               help="Fit pruned MLPs to restore the source residual stream (residual) or their own output (local).")
 @click.option("--mixer", default="attention", show_default=True,
-              type=click.Choice(["attention", "gated_attention", "hope_attention", "titans"]))
+              type=click.Choice(MIXER_CHOICES))
 @click.option("--export", "export_format", default="tlm", show_default=True,
-              type=click.Choice(["tlm", "hf", "deci", "padded", "gguf"]))
+              type=click.Choice(FORMATS))
 @click.option("--eval-data", default=None, help="Held-out text for perplexity before/after ('default-eval': bundled).")
 @click.option("--eval-tokens", type=int, default=16384, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_CHOICES),
               help="dtype of the saved weights (conversion runs in float32).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
@@ -194,9 +207,9 @@ def convert_main(input_model, output, export_format, **kwargs):
     bar = _PhaseBars()
     guard = _OutputGuard(output)
     try:
-        from .convert import ConvertOptions, convert
+        from .convert import convert
 
-        _quiet_libraries()
+        quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
         if options.multiple_of is not None and options.multiple_of < 1:  # 0 would silently mean "the default"
             raise ConversionError(f"option --multiple-of must be a positive integer, got {options.multiple_of}")
@@ -206,7 +219,7 @@ def convert_main(input_model, output, export_format, **kwargs):
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()
         guard.cleanup()
-        _report_failure(err)
+        report_failure(err)
     bar.close()
     _summary(report, output)
 
@@ -257,122 +270,4 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def tlm_main():
-    """Tapered Language Models: train, eval, analyze and compare (tlm COMMAND --help)."""
-
-
-@tlm_main.command("eval", cls=_Command)
-@click.argument("model_path")
-@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")
-@click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
-@click.option("--max-tokens", type=int, default=16384, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
-def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size, trust_remote_code):
-    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as JSON."""
-    try:
-        import torch
-
-        from tlm_train.evaluate import strided_perplexity
-
-        from .checkpoint import load_source
-        from .convert import ConvertOptions, _build_model
-        from .data import load_text
-
-        _quiet_libraries()
-        stride = max(1, seq_len // 2) if stride is None else stride
-        for name, value in (("seq-len", seq_len), ("stride", stride), ("max-tokens", max_tokens),
-                            ("batch-size", batch_size)):
-            if value < 1:
-                raise ConversionError(f"option --{name} must be a positive integer, got {value}")
-        if seq_len < 2 or stride > seq_len:
-            raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
-                                  "stride <= seq-len")
-        src = load_source(resolve_builtin(model_path), trust_remote_code=trust_remote_code)
-        model, tokenizer = _build_model(src, ConvertOptions())
-        ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
-        if len(ids) < 2:
-            raise ConversionError(f"evaluation data has {len(ids)} tokens; pass more text")
-        result = strided_perplexity(model, ids, seq_len, stride, batch_size)
-    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
-    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(len(ids)), "seq_len": seq_len,
-                           "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
-                           "nll": result.nll, "perplexity": result.perplexity}))
-
-
-@tlm_main.command("analyze", cls=_Command)
-@click.argument("model_path")
-@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
-@click.option("--seq-len", type=int, default=512, show_default=True)
-@click.option("--max-tokens", type=int, default=16384, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("-o", "--output", default=None,
-              help="Folder for alignment.json and alignment.png (default: print the JSON only).")
-@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
-def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, trust_remote_code):
-    """Residual alignment rho_MLP per layer of MODEL_PATH (cosine of each MLP's output with the residual stream,
-    against the block input h_l and the post-mixer stream z_l) and its Pearson r with depth, as JSON."""
-    try:
-        import time
-
-        from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
-
-        from .checkpoint import load_source
-        from .convert import ConvertOptions, _build_model
-        from .data import load_text, token_blocks
-
-        _quiet_libraries()
-        for name, value in (("seq-len", seq_len), ("max-tokens", max_tokens), ("batch-size", batch_size)):
-            if value < 1:
-                raise ConversionError(f"option --{name} must be a positive integer, got {value}")
-        if output is not None and Path(output).exists() and not Path(output).is_dir():
-            raise ConversionError(f"option -o {output}: exists and is not a folder")
-        t0 = time.perf_counter()
-        src = load_source(resolve_builtin(model_path), trust_remote_code=trust_remote_code)
-        model, tokenizer = _build_model(src, ConvertOptions())
-        blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
-        load_s = time.perf_counter() - t0
-        result = residual_alignment(model, blocks, batch_size=batch_size, data=data)
-        suggestion = suggest_ratio(result)
-        extra = {"model": model_path, "data": data, "tokens": int(blocks.numel()), "load_seconds": round(load_s, 2),
-                 "heuristic_ratio_suggestion": {"ratio": suggestion.ratio, "reason": suggestion.reason,
-                                                "note": suggestion.heuristic}}
-        report = {**extra, **result.to_dict()}
-        if output is not None:
-            json_path, png_path = save_alignment(result, output, extra=extra, title=Path(model_path).name)
-    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
-    if output is None:
-        click.echo(json.dumps(report))
-        return
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    click.echo(f"wrote {json_path} and {png_path}")
-    click.echo(f"rho_h by layer: {' '.join(f'{v:.3f}' for v in result.h.mean)}")
-    click.echo(f"rho_z by layer: {' '.join(f'{v:.3f}' for v in result.z.mean)}")
-    click.echo(f"pearson r(depth, rho): h {fmt(result.h.pearson_r)}, z {fmt(result.z.pearson_r)} "
-               f"({result.n_tokens} tokens per layer, {result.seconds:.1f}s)")
-
-
-@tlm_main.command("export", cls=_Command)
-@click.argument("model_path")
-@click.option("--to", "fmt", required=True, type=click.Choice(["tlm", "hf", "deci", "padded", "gguf"]),
-              help="Checkpoint format (gguf: OUTPUT/model.gguf for llama.cpp).")
-@click.option("-o", "--output", required=True, help="Output folder (refused if it exists; written atomically).")
-@click.option("--type", "weight_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
-              help="Weight type [f32]; q8_0 for gguf only (other llama.cpp types: llama-quantize).")
-def export_command(model_path, fmt, output, weight_type):
-    """Write MODEL_PATH (TLM or converted checkpoint, transformers folder, .gguf) in another format."""
-    try:
-        from .export import export_checkpoint
-
-        _quiet_libraries()
-        export_checkpoint(resolve_builtin(model_path), output, fmt, weight_type)
-    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
-    click.echo(f"wrote {output} ({fmt} format)")
-
-
-__all__ = ["convert_main", "tlm_main"]
+__all__ = ["convert_main", "OneLineCommand", "fail", "quiet_libraries", "report_failure", "check_positive"]

@@ -1,14 +1,21 @@
-"""The conversion pipeline behind ``tlm-convert``: uniform checkpoint -> tapered TLM at the same parameter count.
+"""The conversion behind ``tlm-convert``: uniform checkpoint -> tapered TLM at the same parameter count.
 
-load -> (eval before) -> calibrate / rank / resize, layer by layer -> upcycle mixer -> strict reload and
-parameter check -> (eval after) -> export into a temporary folder -> report and plot -> rename onto OUTPUT.
+load -> (eval before) -> calibrate / rank / resize, layer by layer (calibrate.convert_layers) -> upcycle mixer ->
+strict reload and parameter check -> (eval after) -> export into a temporary folder -> report and plot -> publish
+(tlm_convert.outputs.publish: an atomic swap onto OUTPUT). OUTPUT is checked before anything is loaded and locked
+for the whole run.
+
+``--low-memory`` runs the same layer loop under the low-memory policy with a streamed source and sink
+(tlm_convert.stream): layer i is read from disk when the loop needs it and written as its own shard when the loop is
+done with it, the evaluation hidden states are carried along, and the same files are published.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-import math
+import os
 import resource
 import shutil
 import tempfile
@@ -18,26 +25,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
-from tlm import TLMForCausalLM, parse_ratio, taper_widths
-from tlm.modules import RotaryEmbedding, rope_inv_freq
+from tlm import MIXERS, parse_ratio, taper_widths
 
-from .calibrate import calibrate_and_plan
+from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, convert_layers
 from .checkpoint import load_source
 from .data import load_text, token_blocks
 from .errors import ConversionError
 from .export import FORMATS, export_model
 from .importance import METRICS
+from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
-from .remote_code import auto_tokenizer
+from .perplexity import perplexity
 from .surgery import GROW_INITS
-from .upcycle import upcycle
+from .upcycle import upcycle, upcycled_config
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("load", "calibrate", "rank", "resize", "save", "eval")
-MIXER_CHOICES = ("attention", "gated_attention", "hope_attention", "titans")
+MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+REFIT_TARGETS = ("residual", "local")
 
 
 @dataclass
@@ -48,7 +56,7 @@ class ConvertOptions:
     calibration_data: str = "default"
     calibration_tokens: int = 65536
     seq_len: int = 512
-    importance: str | None = None  # default: "obs" (best measured), "activation" with low_memory (see validate)
+    importance: str | None = None  # default: "obs" (best measured; with low_memory while it fits the budget)
     grow_init: str = "noise"
     refit: bool = True
     refit_target: str = "residual"
@@ -62,19 +70,19 @@ class ConvertOptions:
     batch_size: int = 8
     low_memory: bool = False
     overwrite: bool = False
-    trust_remote_code: bool = False  # run Python code shipped with the source (tokenizer/config auto_map)
+    trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
 
     def validate(self) -> None:
-        """Fail fast, before anything is loaded; one line per problem. Fills in the defaults that depend on other
-        options: ``importance`` is "obs" (structured OBS, the best variant measured on SmolLM2, bench/RESULTS.md),
-        or "activation" with ``low_memory`` (OBS holds dense I × I matrices, which the streaming path avoids)."""
-        if self.importance is None:
-            self.importance = "activation" if self.low_memory else "obs"
+        """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "obs" (structured
+        OBS, the best variant measured on SmolLM2, bench/RESULTS.md); with ``low_memory`` the default is chosen
+        once the MLP width is known (:func:`resolve_importance`)."""
+        if self.importance is None and not self.low_memory:
+            self.importance = "obs"
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, ("float32", "bfloat16", "float16"))}
+                   "dtype": (self.dtype, DTYPE_CHOICES)}
         for name, (value, allowed) in choices.items():
-            if value not in allowed:
+            if value not in allowed and not (name == "importance" and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
         parse_ratio(self.ratio)
         for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size"):
@@ -85,7 +93,7 @@ class ConvertOptions:
         if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
             raise ConversionError(f"--export deci needs widths that are multiples of 256; --multiple-of "
                                   f"{self.multiple_of} is not (drop it, or use --export tlm)")
-        if self.refit_target not in ("local", "residual"):
+        if self.refit_target not in REFIT_TARGETS:
             raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
@@ -121,6 +129,13 @@ class PhaseTimer:
             seconds[phase] += now - start
         return seconds
 
+    def quiet(self) -> PhaseTimer:
+        """A timer adding to the same seconds without announcing a phase change (for the reads and evaluation
+        a streamed conversion interleaves with the layer loop)."""
+        quiet = PhaseTimer(None)
+        quiet.seconds = self.seconds
+        return quiet
+
 
 def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
             on_layer=None) -> dict:
@@ -133,12 +148,12 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     opts.validate()
     out = Path(output)
     check_output_path(source, out, opts.overwrite)
+    if opts.low_memory:
+        from .stream import check_streamable
+
+        check_streamable(opts)
     with OutputLock(out):
         clean_stale(out)
-        if opts.low_memory:
-            from .streaming import convert_streaming
-
-            return convert_streaming(source, out, opts, on_phase=on_phase, on_layer=on_layer)
         return _convert(source, out, opts, on_phase, on_layer)
 
 
@@ -146,26 +161,28 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
     timer = PhaseTimer(on_phase)
     torch.manual_seed(opts.seed)
     with timer("load"):
-        src = load_source(source, dtype=torch.float32, trust_remote_code=opts.trust_remote_code)
-        if "hope_attention" in src.tlm_config.mixer:
-            raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and "
-                                  "cannot be resized; convert the attention checkpoint it came from instead")
-        model, tokenizer = _build_model(src, opts)
-        src.state_dict = {}  # the model holds these tensors now
+        src = _open(source, opts)
         widths = plan_widths(src.tlm_config, opts)
+        notes = resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
+        tokenizer = load_tokenizer(src)
+        model = None if opts.low_memory else materialize(src.tlm_config, src.state_dict).to(opts.device).eval()
+        if model is not None:
+            src.state_dict = {}  # the model holds these tensors now
         calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
-        evalb = _eval_blocks(tokenizer, opts)
+        evalb = eval_blocks(tokenizer, opts)
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
-    report = _report_head(src, opts, widths, calib)
-    report["notes"] = list(src.notes)
+    report = report_head(src, opts, widths, calib)
+    report["notes"] = list(src.notes) + notes
+    report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
+    settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
+                             refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
+    if model is None:
+        return _convert_streamed(src, out, opts, widths, calib, evalb, settings, report, timer, on_layer, need)
     if evalb is not None:
         with timer("eval"):
             report["perplexity_before"] = perplexity(model, evalb, opts.batch_size)
-    result = calibrate_and_plan(model, calib, widths, importance=opts.importance, grow_init=opts.grow_init,
-                                refit=opts.refit, refit_target=opts.refit_target, batch_size=opts.batch_size,
-                                seed=opts.seed,
-                                timer=timer, progress=on_layer)
+    result = convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY, on_layer, timer)
     with timer("resize"):
         config = model.config
         config.intermediate_sizes = list(widths)
@@ -177,38 +194,73 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
             report["perplexity_after"] = perplexity(final, evalb, opts.batch_size)
             report["perplexity_ratio"] = report["perplexity_after"] / report["perplexity_before"]
     report["importance_profile"] = [float(s.mean()) for s in result.scores]
-    with timer("save"), save_errors(out, need):
-        _write_output(final, out, src, opts, report, timer)
+
+    def write_model(tmp: Path) -> None:
+        with timer("save"):
+            export_model(final, tmp, opts.export, src)
+
+    with save_errors(out, need):
+        _write_output(out, report, timer, write_model)
     return report
 
 
-def _build_model(src, opts):
-    if src.tokenizer_source is None:
-        raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
-    path, kwargs = src.tokenizer_kwargs()
-    tokenizer = auto_tokenizer(path, **kwargs)
-    model = materialize(src.tlm_config, src.state_dict)
-    return model.to(opts.device).eval(), tokenizer
+def _open(source, opts):
+    """The source: loaded whole (a Source) or opened for streaming (a StreamSource, for ``low_memory``)."""
+    if opts.low_memory:
+        from .stream import open_stream
+
+        src = open_stream(source, trust_remote_code=opts.trust_remote_code)
+    else:
+        src = load_source(source, dtype=torch.float32, trust_remote_code=opts.trust_remote_code)
+    if "hope_attention" in src.tlm_config.mixer:
+        raise ConversionError("this TLM has hope_attention layers, whose MLP is split into memory levels and "
+                              "cannot be resized; convert the attention checkpoint it came from instead")
+    return src
 
 
-def materialize(config, state_dict: dict) -> TLMForCausalLM:
-    """A TLMForCausalLM that *uses* the given tensors (built on the meta device, loaded strictly with
-    ``assign=True``): no random init and no second copy of the weights in memory."""
-    tied = config.tie_word_embeddings
-    with torch.device("meta"):
-        model = TLMForCausalLM(config)
-    state = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ConversionError(f"internal error: weights do not match the config "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for module in model.modules():  # non-persistent buffers are not in the state dict
-        if isinstance(module, RotaryEmbedding):
-            module.inv_freq = rope_inv_freq(module.params, module.head_dim)
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+def resolve_importance(opts: ConvertOptions, width: int) -> list[str]:
+    """Check ``--importance obs`` against the memory policy for MLPs of ``width`` neurons; with ``low_memory`` and
+    no --importance, choose obs when its matrices fit the budget, else activation. Returns notes for the report."""
+    policy = LOW_MEMORY if opts.low_memory else IN_MEMORY
+    if opts.importance is None:
+        opts.importance = "obs" if policy.obs_fits(width) else "activation"
+        if opts.importance == "activation":
+            return [f"importance: activation (obs needs {policy.obs_bytes(width) / 2**30:.1f} GiB for its I x I "
+                    f"matrices, above the {policy.name.replace('_', '-')} budget)"]
+    if opts.importance == "obs":
+        policy.check_obs(width)
+    return []
+
+
+def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, report, timer, on_layer, need) -> dict:
+    """The layer loop under the low-memory policy, from a streamed source into shards (tlm_convert.stream)."""
+    from .stream import StreamedLayers
+
+    config = copy.deepcopy(src.tlm_config)
+    config.intermediate_sizes = list(widths)
+    final_config = upcycled_config(config, opts.mixer)
+    dtype = getattr(torch, opts.dtype)
+
+    def write_model(tmp: Path) -> None:
+        layers = StreamedLayers(src, final_config, widths, dtype, tmp, evalb, opts.batch_size, timer.quiet())
+        layers.embed()
+        result = convert_layers(layers.base, layers, calib, widths, settings, LOW_MEMORY, on_layer, timer)
+        layers.finish()
+        report.update(layers.param_report())
+        if opts.mixer == "attention" and report["params_after"] != report["params_before"]:
+            raise ConversionError(f"internal error: {report['params_after']} parameters written, "
+                                  f"{report['params_before']} in the source")
+        if evalb is not None:
+            report["perplexity_before"] = layers.perplexity_before
+            report["perplexity_after"] = layers.perplexity_after
+            report["perplexity_ratio"] = layers.perplexity_after / layers.perplexity_before
+        report["importance_profile"] = [float(s.mean()) for s in result.scores]
+        report["low_memory"] = True
+        report["shards"] = layers.num_shards
+
+    with save_errors(out, need):
+        _write_output(out, report, timer, write_model)
+    return report
 
 
 def plan_widths(config, opts: ConvertOptions) -> list[int]:
@@ -225,41 +277,11 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
         raise ConversionError(str(err).splitlines()[0]) from None
 
 
-def _eval_blocks(tokenizer, opts):
+def eval_blocks(tokenizer, opts):
+    """The evaluation blocks of ``--eval-data`` (None without it)."""
     if not opts.eval_data:
         return None
     return token_blocks(tokenizer, load_text(opts.eval_data), opts.seq_len, opts.eval_tokens, what="evaluation")
-
-
-@torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
-    """exp(mean next-token NLL) over non-overlapping blocks (every block scores seq_len - 1 tokens).
-
-    The logits are formed 128 positions at a time from the batch's last hidden states: a (batch, seq, vocab) fp32
-    logit tensor, with its shifted copy and log-softmax, would be several times the size of a small model's
-    weights."""
-    device = next(model.parameters()).device
-    chunked = isinstance(model, TLMForCausalLM)
-    total, count = 0.0, 0
-    for i in range(0, len(blocks), batch_size):
-        batch = blocks[i : i + batch_size].to(device)
-        if not chunked:
-            loss = model(batch, labels=batch, use_cache=False).loss
-            n = batch.shape[0] * (batch.shape[1] - 1)
-            total, count = total + float(loss) * n, count + n
-            continue
-        hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state
-        for b in range(batch.shape[0]):
-            for s in range(0, batch.shape[1] - 1, _LOGIT_CHUNK):
-                e = min(s + _LOGIT_CHUNK, batch.shape[1] - 1)
-                logits = model.lm_head(hidden[b, s:e])  # (positions, V)
-                total += float(F.cross_entropy(logits.float(), batch[b, s + 1 : e + 1], reduction="sum"))
-                del logits
-            count += batch.shape[1] - 1
-    return math.exp(total / count)
-
-
-_LOGIT_CHUNK = 128  # positions whose logits perplexity forms at a time (128 x 49,152 fp32 = 25 MB for SmolLM2)
 
 
 def _strict_reload(config, state, opts):
@@ -275,7 +297,7 @@ def _param_report(src, final, opts) -> dict:
             "params_added_by_mixer": after - src.num_params}
 
 
-def _report_head(src, opts, widths, calib) -> dict:
+def report_head(src, opts, widths, calib) -> dict:
     return {"source": str(src.path), "source_kind": src.kind, "family": src.family,
             "schedule": opts.schedule, "ratio": list(parse_ratio(opts.ratio)),
             "widths_before": list(src.tlm_config.intermediate_sizes), "widths_after": list(widths),
@@ -285,18 +307,21 @@ def _report_head(src, opts, widths, calib) -> dict:
             "options": asdict(opts)}
 
 
-def _write_output(model, out: Path, src, opts, report, timer) -> None:
+def _write_output(out: Path, report: dict, timer, write_model) -> None:
+    """``write_model(tmp)`` into a temporary folder next to ``out``, then the report files, then :func:`publish`;
+    on any failure the temporary folder is removed and ``out`` is left as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        export_model(model, tmp, opts.export, src)
-        from .report import write_markdown, write_plot
+        write_model(tmp)
+        with timer("save"):
+            from .report import write_markdown, write_plot
 
-        write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count
-        report["seconds"] = timer.snapshot()
-        report["peak_rss_mb"] = peak_rss_mb()
-        (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
-        write_markdown(report, tmp / "report.md")
+            write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count
+            report["seconds"] = timer.snapshot()
+            report["peak_rss_mb"] = peak_rss_mb()
+            (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
+            write_markdown(report, tmp / "report.md")
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -307,5 +332,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-__all__ = ["ConvertOptions", "convert", "perplexity", "plan_widths", "PHASES"]
+def rss_mb() -> float | None:
+    """The resident set now (Linux /proc; None elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "eval_blocks", "report_head",
+           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
 

@@ -36,7 +36,7 @@ def load_text(source: str | Path, max_chars: int | None = None) -> str:
         except OSError as err:
             raise ConversionError(f"data file '{path}' cannot be read ({err.strerror or one_line(err)})") from None
         return text[:max_chars] if max_chars else text
-    rows = _dataset_rows(path, str(source))
+    rows = dataset_rows(path, str(source))
     parts, total = [], 0
     try:
         for row in rows:
@@ -72,7 +72,7 @@ def _offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def _dataset_rows(path: Path, source: str):
+def dataset_rows(path: Path, source: str):
     if path.exists():
         files = (sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
                  if path.is_dir() else [path])
@@ -144,4 +144,4 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
-__all__ = ["load_text", "token_blocks", "BUNDLED"]
+__all__ = ["load_text", "token_blocks", "dataset_rows", "BUNDLED"]

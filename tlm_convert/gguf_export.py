@@ -32,7 +32,7 @@ from tlm import TLMConfig
 from tlm.modules import rope_inv_freq
 
 from .errors import ConversionError, one_line
-from .export import check_mixers, check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
+from .hf_layout import check_mixers, check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ==============  ==================================================================================
 ``activation``  sqrt( Σ_s ( mean_t |a_stj| )² ): mean over each sequence's tokens, L2 across sequences
                 (Minitron, arXiv 2407.14679; the post-gating input as in NVIDIA ModelOpt). The default of
-                ``--low-memory``, and the importance profile every report plots.
-``obs``         the default of the in-memory path. Not a per-neuron score: shrinking layers remove neurons
+                ``--low-memory`` when OBS's I × I matrices exceed its budget, and the profile every report plots.
+``obs``         the default. Not a per-neuron score: shrinking layers remove neurons
                 greedily by their cost *after* least-squares compensation, ‖d_j‖² / [G⁻¹]_jj with G = AᵀA
                 the activations' second moments (structured Optimal Brain Surgeon, compensate.obs_prune),
                 starting from the least-squares optimum of the refit target; the profile uses ``activation``
@@ -20,9 +20,8 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ``random``      U(0, 1) from the seed (ablation floor)
 ==============  ==================================================================================
 
-On SmolLM2-135M (bench/RESULTS.md) ``obs`` with the residual refit target and 64k calibration tokens is the only
-variant measured within the 1.4x perplexity target (1.39x); ``activation`` with the residual refit measures 1.52x
-at 32k tokens.
+bench/RESULTS.md holds the measured comparison of the metrics on SmolLM2-135M (``obs`` with the residual refit
+target measured best).
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random")
 class ActivationStats:
     """Running sums over calibration tokens of a (B, S, I) activation; optional Gram matrix AᵀA."""
 
-    def __init__(self, width: int, gram: bool = False, keep: bool = False):
+    def __init__(self, width: int, gram: bool = False, keep: bool = False, block_rows: int | None = None):
+        self.block_rows = block_rows  # the Gram matrix's update in blocks of this many rows (None: whole)
         self.kept: list[torch.Tensor] | None = [] if keep else None  # the activations themselves, if asked
         self.tokens = 0
         self.sequences = 0
@@ -58,7 +58,7 @@ class ActivationStats:
         self.sumsq += flat.pow(2).sum(0).double()
         self.seq_abs_sq += a.abs().mean(1).double().pow(2).sum(0)
         if self.gram is not None:
-            self.gram += (flat.T @ flat).double()  # fp32 product per batch, fp64 accumulation
+            add_gram(self.gram, flat, self.block_rows)
 
     @property
     def mean(self) -> torch.Tensor:
@@ -69,6 +69,18 @@ class ActivationStats:
         return (self.sumsq / max(self.tokens, 1) - self.mean.pow(2)).clamp(min=0)
 
 
+def add_gram(gram: torch.Tensor, flat: torch.Tensor, rows: int | None = None) -> None:
+    """gram (I, I) fp64 += flatᵀ flat for activations flat (N, I): the fp32 product, accumulated in fp64; with
+    ``rows``, in row blocks (temporaries of 12·rows·I bytes instead of 12·I²)."""
+    flat = flat.float()
+    width = flat.shape[1]
+    if rows is None or rows >= width:
+        gram += (flat.T @ flat).double()
+        return
+    for r in range(0, width, rows):
+        gram[r : r + rows] += (flat[:, r : r + rows].T @ flat).double()
+
+
 class StopForward(Exception):
     """Raised by a ``stop=True`` statistics hook once it has recorded its input (the rest of the forward, here
     the down projection itself, is not needed)."""
@@ -76,17 +88,20 @@ class StopForward(Exception):
 
 @contextmanager
 def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool = False, columns: int | None = None,
-                     stop: bool = False):
+                     stop: bool = False, block_rows: int | None = None, on_batch=None):
     """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed.
 
     ``keep=True`` also keeps each batch's activation tensor in ``stats.kept`` (the converter reuses them);
     ``columns`` records only the first that many neurons (the source ones of a grown layer); ``stop=True`` raises
-    :class:`StopForward` after recording, for callers that only want the activations."""
+    :class:`StopForward` after recording, for callers that only want the activations; ``block_rows``: see
+    :func:`add_gram`; ``on_batch(a)`` is called with every batch's recorded activations."""
     width = columns or down_proj.in_features
-    stats = ActivationStats(width, gram=gram, keep=keep)
+    stats = ActivationStats(width, gram=gram, keep=keep, block_rows=block_rows)
 
     def hook(_module, args):
         stats.update(args[0].detach()[..., :width])
+        if on_batch is not None:
+            on_batch(args[0].detach()[..., :width])
         if stop:
             raise StopForward
 
@@ -118,4 +133,4 @@ def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, see
     return stats.variance * col_sq  # wifv
 
 
-__all__ = ["METRICS", "ActivationStats", "StopForward", "activation_stats", "neuron_scores"]
+__all__ = ["METRICS", "ActivationStats", "StopForward", "activation_stats", "add_gram", "neuron_scores"]

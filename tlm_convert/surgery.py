@@ -1,4 +1,4 @@
-"""MLP width surgery: a pure function (config, state_dict, plan) -> (config, state_dict).
+"""MLP width surgery: a pure function (state_dict, layer, plan) -> the layer's resized MLP tensors.
 
 A neuron j of layer l is the triple (row j of ``gate_proj``, row j of ``up_proj``, column j of ``down_proj``)
 (GPT-2's ungated MLP: row j of ``up_proj`` with its bias entry, column j of ``down_proj``). Shrinking keeps the
@@ -10,12 +10,12 @@ listed neurons in their original order; growing appends new neurons initialised 
 * ``split``: Net2Net — copy the most important neurons, halve the copied output column between the twins
   (exact; twins stay symmetric under training, so use it as an ablation).
 
-The caller builds ``TLMForCausalLM(new_config)`` and loads the returned state dict with ``strict=True``.
+The layer loop (calibrate) resizes each layer with it before the next layer sees its output; a model whose every
+layer is resized loads strictly into ``TLMForCausalLM`` of its config with the new ``intermediate_sizes``.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -54,22 +54,6 @@ def plan_from_scores(scores: list[torch.Tensor], widths: list[int]) -> list[Laye
 def _rank(score: torch.Tensor) -> torch.Tensor:
     # stable descending sort: equal scores keep index order, so plans are reproducible
     return torch.sort(-score.double(), stable=True).indices
-
-
-def resize_mlp(config, state_dict: dict, plans: list[LayerPlan], grow_init: str = "noise",
-               noise_scale: float = 1e-2, seed: int = 0) -> tuple[object, dict]:
-    """Apply per-layer plans to the MLP tensors; return a new config (widths updated) and a new state dict."""
-    if grow_init not in GROW_INITS:
-        raise ValueError(f"grow_init={grow_init!r}: expected one of {', '.join(GROW_INITS)}")
-    if len(plans) != config.num_hidden_layers:
-        raise ValueError(f"{len(plans)} layer plans for a model with num_hidden_layers={config.num_hidden_layers}")
-    out = dict(state_dict)
-    for i, plan in enumerate(plans):
-        out.update(resize_layer(state_dict, i, plan, grow_init, noise_scale, seed, config.mlp_gated))
-    new_config = copy.deepcopy(config)
-    new_config.intermediate_sizes = [p.width for p in plans]
-    new_config.schedule = "explicit"
-    return new_config, out
 
 
 def resize_layer(sd: dict, layer_idx: int, plan: LayerPlan, grow_init: str = "noise", noise_scale: float = 1e-2,
@@ -126,4 +110,4 @@ def _new_down(down, keep, plan, grow_init, noise_scale, gen):
     return torch.cat([scaled[:, keep], scaled[:, src]], 1)
 
 
-__all__ = ["LayerPlan", "plan_from_scores", "resize_mlp", "resize_layer", "GROW_INITS"]
+__all__ = ["LayerPlan", "plan_from_scores", "resize_layer", "GROW_INITS"]

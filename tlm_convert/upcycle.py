@@ -22,8 +22,23 @@ from .errors import ConversionError
 def upcycle(config: TLMConfig, state_dict: dict, mixer: str, scores: list[torch.Tensor] | None = None,
             seed: int = 0) -> tuple[TLMConfig, dict]:
     """(config, state_dict) of an attention TLM -> the same function with every layer's mixer set to ``mixer``."""
+    new_config = upcycled_config(config, mixer)
     if mixer == "attention":
-        return config, state_dict
+        return new_config, state_dict
+    fresh = None
+    if mixer == "titans":  # the new memory branches, from the whole model's seeded init
+        torch.manual_seed(seed)
+        fresh = TLMForCausalLM(new_config).state_dict()
+    out = dict(state_dict)
+    for i in range(config.num_hidden_layers):
+        out = upcycle_layer(out, i, mixer, new_config, None if scores is None else scores[i], fresh)
+    return new_config, out
+
+
+def upcycled_config(config: TLMConfig, mixer: str) -> TLMConfig:
+    """The config of ``config``'s model with every attention layer's mixer set to ``mixer`` (checked here)."""
+    if mixer == "attention":
+        return config
     if any(m != "attention" for m in config.mixer):
         raise ConversionError(f"--mixer {mixer} upcycles attention layers only; this model has {sorted(set(config.mixer))}")
     if mixer == "hope_attention" and (config.mlp_bias or not config.mlp_gated):
@@ -33,24 +48,29 @@ def upcycle(config: TLMConfig, state_dict: dict, mixer: str, scores: list[torch.
     new_config.mixer = [mixer] * config.num_hidden_layers
     if mixer == "hope_attention":
         new_config.hope_topology, new_config.hope_inner_lr = "sum", 0.0
-    torch.manual_seed(seed)
-    fresh = TLMForCausalLM(new_config).state_dict()  # the new mixer parts, seeded
-    out = {k: v for k, v in state_dict.items()}
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        if mixer == "gated_attention":
-            out[prefix + "self_attn.gate_proj.weight"] = torch.zeros_like(fresh[prefix + "self_attn.gate_proj.weight"])
-            out[prefix + "self_attn.gate_proj.bias"] = torch.zeros_like(fresh[prefix + "self_attn.gate_proj.bias"])
-            out[prefix + "self_attn.o_proj.weight"] = 2 * state_dict[prefix + "self_attn.o_proj.weight"]
-        elif mixer == "titans":
-            for key, value in fresh.items():
-                if key.startswith(prefix + "self_attn.memory"):
-                    out[key] = torch.zeros_like(value) if "memory_gate" in key else value
-        else:
-            layer_scores = scores[i] if scores is not None else None
-            out = {k: v for k, v in out.items() if not k.startswith(prefix + "mlp.")}
-            out.update(_split_mlp(state_dict, prefix, new_config, config.intermediate_sizes[i], layer_scores))
-    return new_config, out
+    return new_config
+
+
+def upcycle_layer(state: dict, i: int, mixer: str, new_config: TLMConfig, scores: torch.Tensor | None = None,
+                  fresh: dict | None = None) -> dict:
+    """Layer i of ``state`` (TLM names; other layers pass through) upcycled to ``mixer`` of ``new_config``
+    (:func:`upcycled_config`); ``fresh``: the seeded init of ``TLMForCausalLM(new_config)``, for titans only."""
+    prefix = f"model.layers.{i}."
+    out = dict(state)
+    if mixer == "gated_attention":
+        o_proj = state[prefix + "self_attn.o_proj.weight"]  # (d, heads * head_dim)
+        gates = o_proj.shape[1] if new_config.gate_type == "elementwise" else new_config.num_attention_heads
+        out[prefix + "self_attn.gate_proj.weight"] = o_proj.new_zeros(gates, new_config.hidden_size)
+        out[prefix + "self_attn.gate_proj.bias"] = o_proj.new_zeros(gates)
+        out[prefix + "self_attn.o_proj.weight"] = 2 * o_proj
+    elif mixer == "titans":
+        for key, value in fresh.items():
+            if key.startswith(prefix + "self_attn.memory"):
+                out[key] = torch.zeros_like(value) if "memory_gate" in key else value
+    elif mixer == "hope_attention":
+        out = {k: v for k, v in out.items() if not k.startswith(prefix + "mlp.")}
+        out.update(_split_mlp(state, prefix, new_config, new_config.intermediate_sizes[i], scores))
+    return out
 
 
 def _split_mlp(sd, prefix, config, width, scores) -> dict:
@@ -66,4 +86,4 @@ def _split_mlp(sd, prefix, config, width, scores) -> dict:
     return new
 
 
-__all__ = ["upcycle"]
+__all__ = ["upcycle", "upcycled_config", "upcycle_layer"]

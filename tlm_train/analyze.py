@@ -1,4 +1,4 @@
-"""Residual alignment ρ_MLP per layer (design/model.md §3.5): does a layer's MLP write along the residual stream
+"""Residual alignment ρ_MLP per layer: does a layer's MLP write along the residual stream
 ("reinforce", ρ near 1) or across it ("transform", ρ near 0)?
 
     ρ_l = cos(F_l, r_l)   per token, then mean and median over tokens;   Pearson r(l, mean ρ_l) as the summary

@@ -1,21 +1,118 @@
-"""``tlm train``, ``tlm tokenize`` and ``tlm compare``, added to the ``tlm`` command group of tlm_convert.cli (eval,
-analyze)."""
+"""The ``tlm`` command group: ``convert`` (the ``tlm-convert`` command), ``train``, ``tokenize``, ``export``,
+``eval``, ``analyze`` and ``compare``. Only the CLI modules print."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
-from tlm_convert.cli import _Command, _fail, _quiet_libraries, _report_failure, tlm_main
+from tlm_convert.cli import OneLineCommand, check_positive, convert_main, fail, quiet_libraries, report_failure
+from tlm_convert.errors import ConversionError
+from tlm_convert.export import FORMATS
+from tlm_convert.gguf_export import WEIGHT_TYPES
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def tlm_main():
+    """Tapered Language Models: convert, train, tokenize, export, eval, analyze and compare (tlm COMMAND --help)."""
+
+
+tlm_main.add_command(convert_main, "convert")  # the very command of tlm-convert
+
+
+@tlm_main.command("eval", cls=OneLineCommand)
+@click.argument("model_path")
+@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
+@click.option("--max-tokens", type=int, default=16384, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
+def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size, trust_remote_code):
+    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as JSON."""
+    try:
+        import torch
+
+        from tlm_convert.data import load_text
+        from tlm_convert.load import load_model
+
+        from .evaluate import strided_perplexity
+
+        quiet_libraries()
+        stride = max(1, seq_len // 2) if stride is None else stride
+        check_positive(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size)
+        if seq_len < 2 or stride > seq_len:
+            raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
+                                  "stride <= seq-len")
+        model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
+        ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
+        if len(ids) < 2:
+            raise ConversionError(f"evaluation data has {len(ids)} tokens; pass more text")
+        result = strided_perplexity(model, ids, seq_len, stride, batch_size)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        report_failure(err)
+    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(len(ids)), "seq_len": seq_len,
+                           "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
+                           "nll": result.nll, "perplexity": result.perplexity}))
+
+
+@tlm_main.command("analyze", cls=OneLineCommand)
+@click.argument("model_path")
+@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--max-tokens", type=int, default=16384, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("-o", "--output", default=None,
+              help="Folder for alignment.json and alignment.png (default: print the JSON only).")
+@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
+def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, trust_remote_code):
+    """Residual alignment rho_MLP per layer of MODEL_PATH (cosine of each MLP's output with the residual stream,
+    against the block input h_l and the post-mixer stream z_l) and its Pearson r with depth, as JSON."""
+    try:
+        import time
+
+        from tlm_convert.data import load_text, token_blocks
+        from tlm_convert.load import load_model
+
+        from .analyze import residual_alignment, save_alignment, suggest_ratio
+
+        quiet_libraries()
+        check_positive(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+        if output is not None and Path(output).exists() and not Path(output).is_dir():
+            raise ConversionError(f"option -o {output}: exists and is not a folder")
+        t0 = time.perf_counter()
+        model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
+        blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
+        load_s = time.perf_counter() - t0
+        result = residual_alignment(model, blocks, batch_size=batch_size, data=data)
+        suggestion = suggest_ratio(result)
+        extra = {"model": model_path, "data": data, "tokens": int(blocks.numel()), "load_seconds": round(load_s, 2),
+                 "heuristic_ratio_suggestion": {"ratio": suggestion.ratio, "reason": suggestion.reason,
+                                                "note": suggestion.heuristic}}
+        report = {**extra, **result.to_dict()}
+        if output is not None:
+            json_path, png_path = save_alignment(result, output, extra=extra, title=Path(model_path).name)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        report_failure(err)
+    if output is None:
+        click.echo(json.dumps(report))
+        return
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    click.echo(f"wrote {json_path} and {png_path}")
+    click.echo(f"rho_h by layer: {' '.join(f'{v:.3f}' for v in result.h.mean)}")
+    click.echo(f"rho_z by layer: {' '.join(f'{v:.3f}' for v in result.z.mean)}")
+    click.echo(f"pearson r(depth, rho): h {fmt(result.h.pearson_r)}, z {fmt(result.z.pearson_r)} "
+               f"({result.n_tokens} tokens per layer, {result.seconds:.1f}s)")
+
 
 
 STOPPED_EXIT = {"SIGTERM": 143, "STOP": 143, "SIGINT": 130}  # 128 + signal number; the STOP file counts as SIGTERM
 
 
-@tlm_main.command("train", cls=_Command)
+@tlm_main.command("train", cls=OneLineCommand)
 @click.argument("recipe_path", metavar="RECIPE.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a recipe value, e.g. --set optim.lr=1e-3 (repeatable).")
@@ -37,15 +134,15 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
         from .recipe import load_recipe
         from .trainer import TrainError, train
 
-        _quiet_libraries()
+        quiet_libraries()
         overrides = list(overrides) + (["trust_remote_code=true"] if trust_remote_code else [])
         recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
     except TrainError as err:
-        _fail(str(err))
+        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
+        report_failure(err)
     import torch.distributed as dist
 
     main = not (dist.is_initialized() and dist.get_rank() != 0)
@@ -62,7 +159,7 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
     click.echo(json.dumps(summary))
 
 
-@tlm_main.command("tokenize", cls=_Command)
+@tlm_main.command("tokenize", cls=OneLineCommand)
 @click.argument("recipe_path", metavar="RECIPE.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a recipe value, e.g. --set data.num_proc=32 (repeatable).")
@@ -76,16 +173,36 @@ def tokenize_command(recipe_path, overrides):
         from .recipe import load_recipe
         from .trainer import TrainError
 
-        _quiet_libraries()
+        quiet_libraries()
         summary = prepare_data(load_recipe(recipe_path, list(overrides)))
     except TrainError as err:
-        _fail(str(err))
+        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
+        report_failure(err)
     click.echo(json.dumps(summary))
 
 
-@tlm_main.command("compare", cls=_Command)
+@tlm_main.command("export", cls=OneLineCommand)
+@click.argument("model_path")
+@click.option("--to", "fmt", required=True, type=click.Choice(FORMATS),
+              help="Checkpoint format (gguf: OUTPUT/model.gguf for llama.cpp).")
+@click.option("-o", "--output", required=True, help="Output folder (refused if it exists; written atomically).")
+@click.option("--type", "weight_type", default=None, type=click.Choice(WEIGHT_TYPES),
+              help="Weight type [f32]; q8_0 for gguf only (other llama.cpp types: llama-quantize).")
+def export_command(model_path, fmt, output, weight_type):
+    """Write MODEL_PATH (TLM or converted checkpoint, transformers folder, .gguf) in another format."""
+    try:
+        from tlm_convert.checkpoint import resolve_builtin
+        from tlm_convert.export import export_checkpoint
+
+        quiet_libraries()
+        export_checkpoint(resolve_builtin(model_path), output, fmt, weight_type)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
+        report_failure(err)
+    click.echo(f"wrote {output} ({fmt} format)")
+
+
+@tlm_main.command("compare", cls=OneLineCommand)
 @click.argument("compare_path", metavar="COMPARE.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a value of the compare file, e.g. --set continue_steps=50 (repeatable).")
@@ -98,13 +215,13 @@ def compare_command(compare_path, overrides, no_progress):
         from .compare import format_table, load_compare, run_comparison
         from .trainer import TrainError
 
-        _quiet_libraries()
+        quiet_libraries()
         spec = load_compare(compare_path, list(overrides))
         rows = run_comparison(spec, progress=not no_progress)
     except TrainError as err:
-        _fail(str(err))
+        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        _report_failure(err)
+        report_failure(err)
     click.echo(format_table(rows))
     click.echo(f"wrote {spec.output_dir}/compare.json, compare.md and loss_curves.png")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from .recipe import OptimSpec, RecipeError, _build, recipe_from_dict
+from .recipe import OptimSpec, RecipeError, build_spec, recipe_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class CompareSpec:
 
 def load_compare(path: str | Path, overrides=()) -> CompareSpec:
     """Read and validate a compare YAML (every problem listed with its key path)."""
-    from .recipe import _apply_overrides
+    from .recipe import apply_overrides
 
     path = Path(path)
     if not path.is_file():
@@ -60,9 +60,9 @@ def load_compare(path: str | Path, overrides=()) -> CompareSpec:
         raise RecipeError(f"compare file '{path}' is not valid YAML; fix the syntax") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping at the top level")
-    data = _apply_overrides(data, overrides)
+    data = apply_overrides(data, overrides)
     errors: list[str] = []
-    spec = _build(CompareSpec, data, "", errors)
+    spec = build_spec(CompareSpec, data, "", errors)
     if spec is not None and isinstance(spec.base, str):
         base_path = (path.parent / spec.base) if not Path(spec.base).is_absolute() else Path(spec.base)
         if not base_path.is_file():
@@ -95,7 +95,7 @@ def check_spec(spec: CompareSpec) -> None:
     for key in spec.convert:
         if key not in known:
             errors.append(f"convert.{key}: unknown ConvertOptions field")
-    _build(OptimSpec, {**asdict(base.optim), **spec.cpt_optim}, "cpt_optim", errors)
+    build_spec(OptimSpec, {**asdict(base.optim), **spec.cpt_optim}, "cpt_optim", errors)
     if errors:
         raise RecipeError("compare: " + str(len(errors)) + " problem(s):\n" + "\n".join(f"  {e}" for e in errors))
 

@@ -141,7 +141,7 @@ def _separator(tokenizer) -> list[int]:
 def _documents(source: str):
     """(text, joined) of every document of ``source`` in order; ``joined``: a separator goes before it (all but the
     first document; a text file is one document, read in pieces of about 1M characters at line breaks)."""
-    from tlm_convert.data import _dataset_rows
+    from tlm_convert.data import dataset_rows
 
     path = BUNDLED.get(source, Path(source).expanduser())
     if path.is_file() and path.suffix.lower() in (".txt", ".md"):
@@ -153,7 +153,7 @@ def _documents(source: str):
             yield text[start:end], False
             start = end
         return
-    for i, text in enumerate(_dataset_rows(path, source)):
+    for i, text in enumerate(dataset_rows(path, source)):
         yield text, i > 0
 
 

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from tlm_convert.perplexity import nll_sum
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Perplexity:
     windows: int
 
 
-def _windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first scored position within the window) for a stream of n tokens."""
     spans, prev_end, begin = [], 0, 0
     while True:
@@ -40,14 +41,15 @@ def _windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
 @torch.no_grad()
 def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None = None,
                        batch_size: int = 8) -> Perplexity:
-    """Perplexity of ``model`` on the 1-D token stream ``ids`` (see the module doc)."""
+    """Perplexity of ``model`` (a TLMForCausalLM) on the 1-D token stream ``ids`` (see the module doc); the logits
+    are formed in chunks (tlm_convert.perplexity.nll_sum)."""
     stride = window if stride is None else stride
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in [1, window={window}], got {stride}")
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens, got {window}")
     ids = ids.long().flatten()
-    spans = _windows(len(ids), window, stride)
+    spans = windows(len(ids), window, stride)
     if not spans:
         raise ValueError(f"{len(ids)} tokens: too few to score; give at least 2")
     device = next(model.parameters()).device
@@ -59,14 +61,12 @@ def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None
         for i in range(0, len(group), batch_size):
             chunk = group[i : i + batch_size]
             batch = torch.stack([ids[b:e] for b, e, _ in chunk]).to(device)  # (B, length)
-            logits = model(input_ids=batch, use_cache=False).logits.float()  # (B, length, V)
-            nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch[:, 1:], reduction="none")  # (B, length-1)
-            for row, (_, _, first) in enumerate(chunk):
-                scored = nll[row, first - 1 :]  # targets at positions first..length-1
-                total += float(scored.double().sum())
-                count += scored.numel()
+            hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state  # (B, length, d)
+            for row, (_, _, first) in enumerate(chunk):  # targets at positions first..length-1
+                part, n = nll_sum(model.lm_head, hidden[row : row + 1], batch[row : row + 1], first)
+                total, count = total + part, count + n
     mean = total / count
     return Perplexity(math.exp(mean), mean, count, len(spans))
 
 
-__all__ = ["strided_perplexity", "Perplexity"]
+__all__ = ["strided_perplexity", "Perplexity", "windows"]

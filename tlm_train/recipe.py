@@ -137,9 +137,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), name: str = "recipe") -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError(f"{name}: expected a mapping of keys at the top level, got {type(data).__name__}")
-    data = _apply_overrides(data, overrides)
+    data = apply_overrides(data, overrides)
     errors: list[str] = []
-    recipe = _build(Recipe, data, "", errors)
+    recipe = build_spec(Recipe, data, "", errors)
     if not errors:
         errors += _check_semantics(recipe)
     if errors:
@@ -147,7 +147,7 @@ def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), nam
     return recipe
 
 
-def _apply_overrides(data: dict, overrides) -> dict:
+def apply_overrides(data: dict, overrides) -> dict:
     import copy
 
     data = copy.deepcopy(data)
@@ -182,7 +182,7 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _build(cls, data: Any, path: str, errors: list[str]):
+def build_spec(cls, data: Any, path: str, errors: list[str]):
     """Instantiate dataclass ``cls`` from ``data``, appending every problem (with its key path) to ``errors``."""
     if not isinstance(data, dict):
         errors.append(f"{path or 'recipe'}: expected a mapping, got {data!r}")
@@ -219,7 +219,7 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
         if len(inner) == 1:
             return _coerce(value, inner[0], path, errors)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, errors)
+        return build_spec(tp, value, path, errors)
     if origin is Literal:
         if value not in args:
             errors.append(f"{path}: expected one of {', '.join(map(str, args))}, got {value!r}")
@@ -319,4 +319,4 @@ def _check_semantics(r: Recipe) -> list[str]:
 
 
 __all__ = ["Recipe", "ModelSpec", "DataSpec", "OptimSpec", "TrainSpec", "LogSpec", "DistillSpec", "RecipeError",
-           "load_recipe", "recipe_from_dict"]
+           "load_recipe", "recipe_from_dict", "apply_overrides", "build_spec"]

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from tlm_convert.errors import ConversionError
 from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
+from tlm_convert.perplexity import nll_sum
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
@@ -165,25 +166,21 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
     runs the folder's own code only with ``trust_remote_code``."""
-    from tlm_convert.checkpoint import load_source, resolve_builtin
-    from tlm_convert.convert import materialize
     from tlm_convert.errors import ConversionError
+    from tlm_convert.load import load_model
+    from tlm_convert.load import load_tokenizer as source_tokenizer
 
     try:
-        src = load_source(resolve_builtin(path), trust_remote_code=trust_remote_code)
+        model, _, src = load_model(path, with_tokenizer=False, trust_remote_code=trust_remote_code)
     except ConversionError as err:
         raise TrainError(str(err)) from None
-    model = materialize(src.tlm_config, src.state_dict)
     if not with_tokenizer:
         return model, None
     if tokenizer_name is not None:
         return model, load_tokenizer(tokenizer_name, trust_remote_code)
-    kwargs = src.tokenizer_kwargs()
-    if kwargs is None:
+    if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    from tlm_convert.remote_code import auto_tokenizer
-
-    return model, auto_tokenizer(kwargs[0], **kwargs[1])
+    return model, source_tokenizer(src)
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -631,10 +628,10 @@ class _Run:
         total, count = 0.0, 0
         for i in range(0, len(blocks), bs):
             ids = blocks[i : i + bs].long().to(d.device)
-            with self._autocast():
+            with self._autocast():  # through the (DDP/FSDP) wrapper's forward, whose hooks gather the weights
                 logits = self.model(input_ids=ids, use_cache=False).logits
-            n = ids.shape[0] * (ids.shape[1] - 1)
-            total, count = total + float(lm_loss(logits, ids)) * n, count + n
+            part, n = nll_sum(lambda x: x, logits, ids)  # the logits upcast to fp32 in chunks
+            total, count = total + part, count + n
         self.model.train()
         if d.world > 1:
             t = torch.tensor([total, count], dtype=torch.float64, device=d.device)
