@@ -341,7 +341,7 @@ def test_help():
 
 
 def test_one_tlm_group_and_tlm_convert_is_tlm_convert():
-    assert set(tlm_main.commands) == {"convert", "train", "eval", "analyze", "compare"}
+    assert set(tlm_main.commands) == {"convert", "train", "tokenize", "export", "eval", "analyze", "compare"}
     assert tlm_main.commands["convert"] is convert_main
     via_group = _run(["convert", "--help"], command=tlm_main).stdout
     assert via_group.replace("Usage: tlm convert", "Usage: tlm-convert") == _run(["--help"], command=convert_main).stdout

@@ -31,7 +31,8 @@ from click.testing import CliRunner
 from test_train import tiny_recipe
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-from tlm_convert.cli import convert_main, tlm_main
+from tlm_convert.cli import convert_main
+from tlm_train.cli import tlm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "256", "--seq-len", "64", "--batch-size", "4",
@@ -106,7 +107,7 @@ def _publish_killed_at(step: int, tmp: Path, out: Path) -> bool:
     pid = os.fork()
     if pid == 0:  # the child: count the calls, die at the chosen one
         try:
-            from tlm_convert.convert import publish
+            from tlm_convert.outputs import publish
 
             count = [0]
 
@@ -188,8 +189,6 @@ def _write_recipe(tmp_path, recipe: dict, name="r.yaml") -> Path:
 
 
 def _tlm(args, **kwargs):
-    import tlm_train.cli  # noqa: F401  (adds train and compare to the group)
-
     return CliRunner().invoke(tlm_main, [str(a) for a in args], **kwargs)
 
 

@@ -271,7 +271,7 @@ def test_tlm_export_cli(tiny, tmp_path):
     from click.testing import CliRunner
 
     from tiny_sources import tiny_tokenizer
-    from tlm_convert.cli import tlm_main
+    from tlm_train.cli import tlm_main
 
     _, model, _ = tiny
     model.save_pretrained(tmp_path / "ckpt")
