@@ -155,18 +155,41 @@ def test_sliding_window_cache_equals_no_cache(ids):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=0)
 
 
-def test_left_padding_matches_unpadded(ids):
-    model = make_model("gated_attention")
-    short = ids[1:, 4:]  # 9 tokens, left-padded with 4 pads in a batch with a 13-token row
-    padded = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), short], 1)
-    batch = torch.cat([ids[:1], padded], 0)
+def _left_padded(ids, pads=5):
+    """A batch of the full row 0 and row 1's last N − pads tokens left-padded with `pads` pad tokens (id 0)."""
+    short = ids[1:, pads:]
+    batch = torch.cat([ids[:1], torch.cat([torch.zeros(1, pads, dtype=ids.dtype), short], 1)], 0)
     mask = torch.ones_like(batch)
-    mask[1, :4] = 0
-    batched = _logits(model, batch, attention_mask=mask)
-    torch.testing.assert_close(batched[1, 4:], _logits(model, short)[0], atol=ATOL, rtol=0)
-    gen = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    alone = model.generate(short, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert torch.equal(gen[1, 4:], alone[0])
+    mask[1, :pads] = 0
+    return batch, mask, short
+
+
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_left_padding_matches_unpadded(mixer, ids):
+    # 5 pads: the short row's chunks (size 4) start at its first real token, not at an absolute multiple of 4
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    alone = _logits(model, short)[0]
+    torch.testing.assert_close(_logits(model, batch, attention_mask=mask)[1, 5:], alone, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_logits(model, batch, attention_mask=mask)[0], _logits(model, ids[:1])[0],
+                               atol=ATOL, rtol=0)
+    with torch.no_grad():  # with cache: padded prefill of 7, then token-by-token decode (mask grows by ones)
+        out = model(batch[:, :7], attention_mask=mask[:, :7], use_cache=True)
+        steps = [out.logits]
+        for t in range(7, batch.shape[1]):
+            out = model(batch[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1)[1, 5:], alone, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_batched_padded_generate_equals_per_row(mixer, ids):
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    gen = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    alone = [model.generate(row, max_new_tokens=6, do_sample=False, pad_token_id=0) for row in (ids[:1], short)]
+    assert torch.equal(gen[0], alone[0][0])
+    assert torch.equal(gen[1, 5:], alone[1][0])
 
 
 @pytest.mark.parametrize("mixer", MIXER_NAMES)

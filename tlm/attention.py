@@ -7,6 +7,8 @@ Mixer contract (shared by every mixer in ``mixers.py``)::
     position_embeddings: (cos, sin) each (B, N, Dh), or None without RoPE
     attention_mask: None (plain causal, nothing cached) or bool (B, 1, N, T), True = may attend
     cache: TLMCache or None; a mixer keeps its state in cache.layers[layer_idx]
+    token_mask: None (no padding in this call) or bool (B, N), False at pad tokens; stateful mixers keep pads
+        out of their state (see ``padding.py``), attention needs only attention_mask
 
 Axis legend: B batch, N new tokens, T keys (past + new), H query heads, K key/value heads, Dh head dim.
 """
@@ -85,7 +87,7 @@ class Attention(nn.Module):
         dropout_free = impl(q, k, v, attention_mask, self.scale)  # (B, H, N, Dh)
         return dropout_free.transpose(1, 2).reshape(B, N, -1)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, token_mask=None):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, cache))
 
 
@@ -101,7 +103,7 @@ class GatedAttention(Attention):
         gate_out = self.num_heads * (self.head_dim if config.gate_type == "elementwise" else 1)
         self.gate_proj = nn.Linear(config.hidden_size, gate_out, bias=True)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, token_mask=None):
         B, N, _ = hidden_states.shape
         attn = self.attend(hidden_states, position_embeddings, attention_mask, cache)  # (B, N, H*Dh)
         gate = torch.sigmoid(self.gate_proj(hidden_states).float())  # (B, N, H*Dh) or (B, N, H)

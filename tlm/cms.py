@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from .mlp import GatedMLP, get_activation
+from .padding import needs_rows, run_rows
 
 logger = logging.getLogger(__name__)
 
@@ -452,10 +453,22 @@ class ContinuumMemory(nn.Module):
             )
         return y.to(x.dtype), fast, buffer
 
-    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False) -> tuple[Tensor, dict | None]:
-        """x: (B, N, hidden) already normed by the block -> (y (B, N, hidden), new state if use_cache else None)."""
+    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False,
+                token_mask: Tensor | None = None) -> tuple[Tensor, dict | None]:
+        """x: (B, N, hidden) already normed by the block -> (y (B, N, hidden), new state if use_cache else None).
+
+        token_mask: None or (B, N) bool, False at pad tokens. With a live online level (inner_lr > 0) pads never
+        enter the fast weights or the chunk buffer, chunks count from each row's first real token, and pad
+        positions output 0 (row by row, see `padding`); without one, every token is independent and the mask is
+        not needed.
+        """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x shape = {tuple(x.shape)} is invalid; allowed: (B, N, {self.hidden_size})")
+        if self.online_levels and self.inner_lr > 0 and needs_rows(token_mask, state):
+            return run_rows(self._forward, x, token_mask, state, use_cache, self.hidden_size)
+        return self._forward(x, state, use_cache)
+
+    def _forward(self, x: Tensor, state: dict | None, use_cache: bool) -> tuple[Tensor, dict | None]:
         B, T, _ = x.shape
         pos, fast_in, buf_in = self._unpack_state(state, B, x.dtype)
         fast_out, buf_out = [], []

@@ -45,10 +45,10 @@ class TitansAttention(Attention):
         if is_fresh(self.memory_gate.weight):
             self.memory_gate.weight.zero_()
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, token_mask=None):
         attn = self.attend(hidden_states, position_embeddings, attention_mask, cache)  # (B, N, H*Dh)
         state = cache.layers[self.layer_idx].get("memory") if cache is not None else None
-        reads, state = self.memory(hidden_states, state, use_cache=cache is not None)  # (B, N, Hm*Dm)
+        reads, state = self.memory(hidden_states, state, use_cache=cache is not None, token_mask=token_mask)  # (B, N, Hm*Dm)
         if cache is not None:
             cache.layers[self.layer_idx]["memory"] = state
         gate = 2 * torch.sigmoid(self.memory_gate(reads).float())  # (B, N, H*Dh), 1 at init
