@@ -31,7 +31,7 @@ from .errors import ConversionError
 from .export import FORMATS, export_model
 from .importance import METRICS
 from .surgery import GROW_INITS
-from .upcycle import upcycle
+from .upcycle import carry_scores, upcycle
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     with timer("resize"):
         config = model.config
         config.intermediate_sizes = list(widths)
-        config, state = upcycle(config, model.state_dict(), opts.mixer, result.scores, seed=opts.seed)
+        scores = [carry_scores(s, p.keep, p.grow) for s, p in zip(result.scores, result.plans)]
+        config, state = upcycle(config, model.state_dict(), opts.mixer, scores, seed=opts.seed)
         final = _strict_reload(config, state, opts)
         report.update(_param_report(src, final, opts))
     if evalb is not None:

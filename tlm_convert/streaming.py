@@ -92,7 +92,7 @@ from .data import load_text, token_blocks
 from .errors import ConversionError, one_line
 from .importance import ActivationStats, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
-from .upcycle import _split_mlp
+from .upcycle import _split_mlp, carry_scores
 
 logger = logging.getLogger(__name__)
 
@@ -687,8 +687,8 @@ class _Run:
             state = {prefix + k: v for k, v in layer.state_dict().items()}
             del layer
             state.update(src.read([n for n in src.layer_names(i) if n not in state]))
-        state = _upcycle_layer(state, i, self.opts.mixer, self.final_model.config, self.widths[i], self.scores[-1],
-                               self.expected)
+        state = _upcycle_layer(state, i, self.opts.mixer, self.final_model.config, self.widths[i],
+                               carry_scores(self.scores[-1], plan.keep, plan.grow), self.expected)
         state = {k: v.to(self.dtype) for k, v in state.items()}
         if self.eval_batches is not None:
             with self.quiet("eval"):
