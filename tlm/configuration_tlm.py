@@ -26,7 +26,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
 NORM_TYPES = ("rmsnorm", "layernorm")
 POSITION_TYPES = ("rope", "learned")
-HOPE_MODES = ("static", "online")
+HOPE_MODES = ("static", "online", "slow(m)")
 
 FAMILY_NOTES = """
 Llama/Mistral/SmolLM: defaults (rmsnorm, rope, gated silu MLP); Mistral adds sliding_window.
@@ -58,7 +58,9 @@ class TLMConfig(PretrainedConfig):
         gate_type: gated attention gate, "elementwise" or "headwise".
         titans_*: Titans memory (heads, head dim, depth, expansion, chunk size, theta_max, conv kernel, and the
             per-token surprise-norm clip that keeps the inner updates bounded; None disables it).
-        hope_*: Hope continuum memory (level shares, modes, topology, chunk size, inner learning rate).
+        hope_*: Hope continuum memory (level shares, modes "static" / "online" / "slow(m)", topology, chunk size
+            of online levels, inner learning rate η of the online levels' local rule; η = 0, the default per
+            design/model.md §4.4, makes an online level compute exactly as a static one).
     """
 
     model_type = "tlm"
@@ -111,7 +113,7 @@ class TLMConfig(PretrainedConfig):
         hope_level_modes: list[str] | None = None,
         hope_topology: str = "chain",
         hope_chunk_size: int = 16,
-        hope_inner_lr: float = 1e-3,
+        hope_inner_lr: float = 0.0,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -303,13 +305,23 @@ def _collect_errors(cfg: TLMConfig) -> list[str]:
     return errors
 
 
+def _valid_mode(mode) -> bool:
+    from .cms import parse_mode
+
+    try:
+        parse_mode(mode)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_hope(errors, cfg):
     shares, modes = cfg.hope_level_shares, cfg.hope_level_modes
     if len(shares) != len(modes):
         errors.append(f"hope_level_shares has {len(shares)} entries but hope_level_modes has {len(modes)}")
     if any(s <= 0 for s in shares) or not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
         errors.append(f"hope_level_shares={shares!r}: expected positive shares summing to 1")
-    bad = [m for m in modes if m not in HOPE_MODES]
+    bad = [m for m in modes if not _valid_mode(m)]
     if bad:
         errors.append(f"hope_level_modes has {bad!r}: expected each of {', '.join(HOPE_MODES)}")
     if not (isinstance(cfg.hope_chunk_size, int) and cfg.hope_chunk_size >= 1):

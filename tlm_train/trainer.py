@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tlm.slow import SlowLevels
+
 from .data import BatchOrder, load_tokenizer, to_blocks, tokenize_cached
 from .recipe import Recipe, RecipeError
 
@@ -337,6 +339,7 @@ class _Run:
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay),
                                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, r))
+        self.slow_levels = SlowLevels(self.model)
         self.step = 0
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
@@ -533,6 +536,7 @@ class _Run:
             total += float(loss.detach()) / accum
         if r.optim.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
+        self.slow_levels.before_step(self.optimizer, self.step)  # Hope's slow(m) levels (no-op without them)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
