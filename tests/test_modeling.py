@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import MIXER_NAMES, make_model, randomize_, tiny_config
+from conftest import MIXER_NAMES, MIXER_VARIANTS, make_model, randomize_, tiny_config
 from transformers import AutoModelForCausalLM
 
 import tlm
@@ -20,7 +20,7 @@ def _logits(model, ids, **kw):
         return model(ids, use_cache=False, **kw).logits
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_cache_equals_no_cache(mixer, ids):
     # 13 tokens: prefill 6, then decode one at a time, crossing chunk boundaries (chunk 4) mid-stream
     model = make_model(mixer)
@@ -34,7 +34,7 @@ def test_cache_equals_no_cache(mixer, ids):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_chunked_prefill_equals_one_pass(mixer, ids):
     model = make_model(mixer)
     full = _logits(model, ids)
@@ -44,7 +44,7 @@ def test_chunked_prefill_equals_one_pass(mixer, ids):
     torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_tapered_and_uniform_have_identical_parameter_counts(mixer):
     uniform = tlm.TLMForCausalLM(tiny_config(mixer, schedule="uniform"))
     tapered = tlm.TLMForCausalLM(tiny_config(mixer, schedule="cosine"))
@@ -56,7 +56,7 @@ def test_tapered_and_uniform_have_identical_parameter_counts(mixer):
     assert mlp(tapered) == mlp(uniform) == 3 * 32 * 3 * 37
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_causality(mixer, ids):
     model = make_model(mixer)
     changed = ids.clone()
@@ -66,14 +66,14 @@ def test_causality(mixer, ids):
     assert (a[:, 8:] - b[:, 8:]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_batch_independence(mixer, ids):
     model = make_model(mixer)
     both = _logits(model, ids)
     torch.testing.assert_close(_logits(model, ids[1:]), both[1:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_save_load_round_trip(mixer, ids, tmp_path):
     model = make_model(mixer, schedule="cosine")
     model.save_pretrained(tmp_path)
@@ -122,7 +122,7 @@ def test_remote_code_loads_without_the_package(tmp_path, ids):
     assert "maxdiff" in result.stdout
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_generate_matches_greedy_full_forward(mixer, ids):
     model = make_model(mixer)
     prompt = ids[:, :5]
@@ -164,7 +164,7 @@ def _left_padded(ids, pads=5):
     return batch, mask, short
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_left_padding_matches_unpadded(mixer, ids):
     # 5 pads: the short row's chunks (size 4) start at its first real token, not at an absolute multiple of 4
     model = make_model(mixer)
@@ -182,7 +182,7 @@ def test_left_padding_matches_unpadded(mixer, ids):
     torch.testing.assert_close(torch.cat(steps, 1)[1, 5:], alone, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_batched_padded_generate_equals_per_row(mixer, ids):
     model = make_model(mixer)
     batch, mask, short = _left_padded(ids)
@@ -192,7 +192,7 @@ def test_batched_padded_generate_equals_per_row(mixer, ids):
     assert torch.equal(gen[1, 5:], alone[1][0])
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
     grads = []
     for ckpt in (False, True):
@@ -209,7 +209,7 @@ def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_every_parameter_gets_a_gradient(mixer, ids):
     model = make_model(mixer).train()
     model(ids, labels=ids, use_cache=False).loss.backward()

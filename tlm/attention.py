@@ -50,6 +50,14 @@ def sdpa_attention(q, k, v, mask, scale):
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
+def _mask_with_prefix(mask, p, n, t, device):
+    """bool (B|1, 1, N, P + T): `p` always-visible prefix keys, then `mask` (None = causal over the last N of T)."""
+    if mask is None:
+        mask = torch.ones(n, t, dtype=torch.bool, device=device).tril(t - n)[None, None]  # (1, 1, N, T)
+    ones = torch.ones(*mask.shape[:-1], p, dtype=torch.bool, device=device)
+    return torch.cat([ones, mask], dim=-1)
+
+
 class Attention(nn.Module):
     """Causal GQA softmax attention with RoPE (or none), optional q/k norm and biases, SDPA or eager."""
 
@@ -69,8 +77,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps, offset=config.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps, offset=config.norm_offset)
 
-    def attend(self, x, position_embeddings, attention_mask, cache):
-        """Per-head attention output before o_proj: (B, N, d) -> (B, N, H*Dh)."""
+    def attend(self, x, position_embeddings, attention_mask, cache, prefix=None):
+        """Per-head attention output before o_proj: (B, N, d) -> (B, N, H*Dh).
+
+        prefix: None or (keys, values), each (B, K, P, Dh): extra keys every query sees (Titans' persistent
+        memory), placed before the cached and new keys, never cached, outside any window or padding mask."""
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, -1, self.head_dim)  # (B, N, H, Dh)
         k = self.k_proj(x).view(B, N, -1, self.head_dim)  # (B, N, K, Dh)
@@ -83,6 +94,9 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update_kv(self.layer_idx, k, v)  # (B, K, T, Dh)
+        if prefix is not None:
+            attention_mask = _mask_with_prefix(attention_mask, prefix[0].shape[2], N, k.shape[2], x.device)
+            k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, K, P + T, Dh)
         impl = ATTENTION_FUNCTIONS.get(self.config._attn_implementation or "sdpa", sdpa_attention)
         dropout_free = impl(q, k, v, attention_mask, self.scale)  # (B, H, N, Dh)
         return dropout_free.transpose(1, 2).reshape(B, N, -1)
