@@ -192,6 +192,15 @@ def test_batched_padded_generate_equals_per_row(mixer, ids):
     assert torch.equal(gen[1, 5:], alone[1][0])
 
 
+@pytest.mark.parametrize("mixer", ["hope_attention", "titans"])
+def test_padded_beam_search_equals_per_row(mixer, ids):
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    kw = dict(max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=0)
+    gen = model.generate(batch, attention_mask=mask, **kw)
+    assert torch.equal(gen[1, 5:], model.generate(short, **kw)[0])
+
+
 @pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
     grads = []

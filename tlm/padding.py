@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
+from .cache import ROWS, map_tensors
+
 Tensor = torch.Tensor
-ROWS = "rows"
 
 
 def needs_rows(token_mask: Tensor | None, state: dict | None) -> bool:
@@ -35,7 +36,7 @@ def row_state(state: dict | None, b: int):
         return None
     if ROWS in state:
         return state[ROWS][b]
-    return _map(state, lambda t: t[b : b + 1])
+    return map_tensors(state, lambda t: t[b : b + 1])
 
 
 def join_rows(states: list) -> dict:
@@ -67,16 +68,6 @@ def run_rows(fn: Callable, x: Tensor, token_mask: Tensor | None, state: dict | N
 
 class _Diverged(Exception):
     pass
-
-
-def _map(obj, fn):
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
 
 
 def _join(items: list):
