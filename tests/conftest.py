@@ -37,7 +37,7 @@ def tiny_config(mixer="attention", schedule="uniform", **overrides) -> "tlm.TLMC
         hope_inner_lr=0.05,
         max_position_embeddings=64,
     )
-    kwargs.update(VARIANT_CONFIG.get(mixer, {}))
+    kwargs.update(VARIANT_CONFIG.get(mixer, {}) if isinstance(mixer, str) else {})
     kwargs.update(overrides)
     return tlm.TLMConfig(**kwargs)
 
