@@ -11,6 +11,15 @@ from tlm.cms import ContinuumMemory, cms_num_params, parse_mode
 from tlm.slow import SlowLevels
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and stall badly on a shared 2-core box)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def test_parse_mode():
     assert parse_mode("static") == ("static", None)
     assert parse_mode("online") == ("online", None)
@@ -44,7 +53,7 @@ def _train(model, opt, slow, ids, steps, start=0, grads=None):
 
 
 def test_slow_level_steps_every_m_on_the_mean_gradient(ids):
-    model = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"]).train()
+    model = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"], hope_inner_lr=0.0).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     slow = SlowLevels(model)
     assert len(slow.params) == 3 * 3  # gate, up, down of level 1 in each of 3 layers
@@ -65,13 +74,13 @@ def test_slow_level_steps_every_m_on_the_mean_gradient(ids):
 
 def test_slow_level_resume_mid_cycle_continues_the_sums(ids):
     torch.manual_seed(0)
-    model = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"]).train()
+    model = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"], hope_inner_lr=0.0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     slow = SlowLevels(model)
     _train(model, opt, slow, ids, 5)  # steps 0..4: mid-cycle (sum of steps 4 held)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     _train(model, opt, slow, ids, 3, start=5)
-    resumed = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"]).train()
+    resumed = make_model("hope_attention", hope_level_modes=["online", "slow(3)", "static"], hope_inner_lr=0.0).train()
     resumed.load_state_dict(saved_model)
     opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     opt2.load_state_dict(saved_opt)
