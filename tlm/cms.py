@@ -17,11 +17,11 @@ Topologies (``topology``):
   RMSNorm gains (``norms.{ℓ-1}.weight``, initialised to 1) are the only extra parameters: ``(k−1)·d`` per layer,
   not tapered. With zero ``down_proj`` on levels ≥ 2 the chain equals MLP_1 exactly.
 
-  Why the sub-stream starts at x (measured, bench/RESULTS.md "Hope-attention"): the earlier form
-  ``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm(h_ℓ))`` normalised the *output* of level 1, which is ~0.02·|x| at a fresh
-  init, so RMSNorm multiplied its noise and its gradient by ~50: the clipped global gradient norm was dominated by
-  the chain and every other parameter learned slowly (eval 3.28 vs attention 2.85 nats/byte after 60 steps;
-  2.90 with the sub-stream).
+  Why the sub-stream starts at x (measured, bench/RESULTS.md "Hope-attention that trains"): the earlier form
+  ``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm(h_ℓ))`` normalised the *output* of level 1, which stays at 1-13% of its
+  input's RMS early in training, so the norm amplified it and its gradient by 1/rms: the CMS took 24-48% of the
+  clipped gradient norm (3-22% with the sub-stream), with spikes, and the model learned slowly (eval 3.28 vs
+  attention 2.85 nats/byte after 60 steps; 2.90 with the sub-stream).
 
 Modes per level (``modes``):
 
