@@ -30,13 +30,16 @@ HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "evidence.jsonl"
 RUNS = HERE / "runs" / "evidence"  # checkpoints and metrics (git-ignored)
 
-MIXERS = ("attention", "gated_attention", "titans", "hope_attention")
+MIXERS = ("attention", "gated_attention", "titans", "hope_attention", "titans_mag")
 SCHEDULES = {"cosine": ("cosine", "1.5/0.5"), "uniform": ("uniform", "1.5/0.5"), "reverse": ("cosine", "0.5/1.5")}
 SEEDS = (0, 1, 2)
 STEPS = 150  # x 16 sequences x 128 tokens = 307,200 training tokens per run
-MIXER_EXTRA = {"attention": {}, "gated_attention": {},
-               "titans": {"titans_num_heads": 2, "titans_head_dim": 32, "titans_chunk_size": 16},
-               "hope_attention": {"hope_chunk_size": 16}}
+TITANS = {"titans_num_heads": 2, "titans_head_dim": 32, "titans_chunk_size": 16}
+# titans_mag: the paper's MAG (issue 11): 4 persistent tokens, normalised branches, sliding window 64 in every layer
+MIXER_EXTRA = {"attention": {}, "gated_attention": {}, "titans": TITANS,
+               "hope_attention": {"hope_chunk_size": 16},  # levels (online, static, static), chain, inner lr 0
+               "titans_mag": {**TITANS, "mixer": "titans", "titans_variant": "mag", "titans_persistent_tokens": 4,
+                              "layer_types": ["sliding_attention"] * 6, "sliding_window": 64}}
 
 
 def scratch_recipe(mixer: str, schedule: str, seed: int, steps: int = STEPS, out: Path | None = None) -> dict:
@@ -48,7 +51,7 @@ def scratch_recipe(mixer: str, schedule: str, seed: int, steps: int = STEPS, out
         "model": {"schedule": kind, "ratio": ratio, "multiple_of": 16,
                   "config": {"hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "intermediate_size": 384, "max_position_embeddings": 128,
-                             "mixer": mixer, **MIXER_EXTRA[mixer]}},
+                             "mixer": mixer, **MIXER_EXTRA[mixer]}},  # a variant's "mixer" overrides
         "data": {"train": "default", "eval": "default-eval", "eval_tokens": 65536, "seq_len": 128},
         "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 15, "weight_decay": 0.1, "grad_clip": 1.0},
         "train": {"max_steps": steps, "batch_size": 16, "num_threads": 1},

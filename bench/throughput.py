@@ -11,9 +11,12 @@ tied embeddings, fp32 unless ``--dtype bfloat16``):
     tlm_attention           TLM "attention", uniform, loaded from hf_llama's state dict (strict)
     tlm_attention_tapered   TLM "attention", cosine 1.5/0.5 taper, q = 16 (1536 ... 512)
     tlm_gated_attention     TLM "gated_attention" (elementwise gate), uniform
-    tlm_hope_attention      TLM "hope_attention": CMS levels (online, static, static), chain, chunk 16, uniform
+    tlm_hope_attention      TLM "hope_attention": CMS levels (online, static, static), chain, chunk 16, uniform,
+                            inner lr 0 (the default: the online level computes as a static one)
+    tlm_hope_local          as tlm_hope_attention with inner lr 1e-2: the online level updates in context
     tlm_titans              TLM "titans" (MAG) in layers 1, 3, 5 (model.md §4.3; --titans-layers all for 0..5),
                             H_m 6, d_m 64, memory depth 2, expansion 2, chunk 16, uniform
+    tlm_titans_mag          as tlm_titans with titans_variant "mag" (4 persistent tokens, normalised branches)
 
 Measurement: every model is built once; warmup steps and timed steps run in rounds, one step per model per
 round, the order reversed every other round (A B C .. C B A ..) so slow drifts of a shared machine hit every
@@ -61,11 +64,13 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 TITANS = dict(titans_num_heads=6, titans_head_dim=64, titans_memory_depth=2, titans_memory_expansion=2,
               titans_chunk_size=16)  # §4.3 CPU config; theta_max 0.1 and conv kernel 4 are the TLMConfig defaults
 HOPE = dict(hope_level_shares=[1 / 3, 1 / 3, 1 / 3], hope_level_modes=["online", "static", "static"],
-            hope_chunk_size=16)  # §4.4 default; topology chain and inner lr 1e-3 are the TLMConfig defaults
+            hope_chunk_size=16)  # §4.4 default; topology chain and inner lr 0 are the TLMConfig defaults
+HOPE_LOCAL = dict(HOPE, hope_inner_lr=1e-2)  # the online level updating in context (projected local rule)
+MAG = dict(TITANS, titans_variant="mag", titans_persistent_tokens=4)  # the paper's MAG (window: full context here)
 TAPER = dict(schedule="cosine", taper_ratio=(1.5, 0.5), multiple_of=16)
 
 MODEL_NAMES = ("hf_llama", "tlm_attention", "tlm_attention_tapered", "tlm_gated_attention", "tlm_hope_attention",
-               "tlm_titans")
+               "tlm_hope_local", "tlm_titans", "tlm_titans_mag")
 # (name, model, reference, target: minimum tokens/s ratio model/reference)
 COMPARISONS = (
     ("tlm_vs_hf_llama", "tlm_attention", "hf_llama", 0.95),
@@ -73,6 +78,8 @@ COMPARISONS = (
     ("gated_attention_vs_attention", "tlm_gated_attention", "tlm_attention", None),
     ("hope_attention_vs_attention", "tlm_hope_attention", "tlm_attention", None),
     ("titans_vs_attention", "tlm_titans", "tlm_attention", 0.40),
+    ("hope_local_vs_attention", "tlm_hope_local", "tlm_attention", None),
+    ("titans_mag_vs_attention", "tlm_titans_mag", "tlm_attention", None),
 )
 
 
@@ -94,10 +101,12 @@ def tlm_config(name: str, titans_layers: str) -> TLMConfig:
         kwargs["mixer"] = "gated_attention"
     elif name == "tlm_hope_attention":
         kwargs.update(HOPE, mixer="hope_attention")
-    elif name == "tlm_titans":
+    elif name == "tlm_hope_local":
+        kwargs.update(HOPE_LOCAL, mixer="hope_attention")
+    elif name in ("tlm_titans", "tlm_titans_mag"):
         n = BASE["num_hidden_layers"]
-        kwargs.update(TITANS, mixer=["titans" if (titans_layers == "all" or i % 2 == 1) else "attention"
-                                     for i in range(n)])
+        kwargs.update(TITANS if name == "tlm_titans" else MAG,
+                      mixer=["titans" if (titans_layers == "all" or i % 2 == 1) else "attention" for i in range(n)])
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
     return TLMConfig(**kwargs)

@@ -11,6 +11,11 @@ torch.set_num_threads(2)
 import tlm  # noqa: E402  (registers the Auto classes)
 
 MIXER_NAMES = ("attention", "gated_attention", "hope_attention", "titans")
+# the mixers plus variants that change the numerics: Titans MAG with persistent tokens and a sliding window
+MIXER_VARIANTS = MIXER_NAMES + ("titans_mag",)
+VARIANT_CONFIG = {"titans_mag": dict(mixer="titans", titans_variant="mag", titans_persistent_tokens=3,
+                                     sliding_window=5, layer_types=["sliding_attention", "full_attention",
+                                                                    "sliding_attention"])}
 
 
 def tiny_config(mixer="attention", schedule="uniform", **overrides) -> "tlm.TLMConfig":
@@ -32,6 +37,7 @@ def tiny_config(mixer="attention", schedule="uniform", **overrides) -> "tlm.TLMC
         hope_inner_lr=0.05,
         max_position_embeddings=64,
     )
+    kwargs.update(VARIANT_CONFIG.get(mixer, {}) if isinstance(mixer, str) else {})
     kwargs.update(overrides)
     return tlm.TLMConfig(**kwargs)
 

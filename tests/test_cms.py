@@ -230,10 +230,10 @@ def test_chain_matches_formula():
     def rms(v, g):
         return g * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    h = cms.levels[0](x)
+    u = x + cms.levels[0](x)  # the residual sub-stream starts at the input
     for i in (1, 2):
-        h = h + cms.levels[i](rms(h, cms.norms[i - 1].weight))
-    torch.testing.assert_close(cms(x)[0], h, atol=1e-6, rtol=0)
+        u = u + cms.levels[i](rms(u, cms.norms[i - 1].weight))
+    torch.testing.assert_close(cms(x)[0], u - x, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ def test_online_lr_positive_differs_only_after_first_chunk(topology):
     static = make(modes=("static",) * 3, topology=topology)
     randomize_norms(static)
     online = make(modes=("online", "static", "online"), topology=topology, inner_lr=LR)
-    online.load_state_dict(static.state_dict())
+    assert set(online.load_state_dict(static.state_dict(), strict=False).missing_keys) == {
+        f"local_proj.{j}.{n}_proj.weight" for j in (0, 1) for n in "kv"}
     x = inputs()
     ys, yo = static(x)[0], online(x)[0]
     torch.testing.assert_close(yo[:, :C], ys[:, :C], atol=1e-6, rtol=0)
@@ -326,14 +327,15 @@ def test_state_without_online_levels():
 # 7. chunk loop == a plain per-sample, per-chunk python reference with autograd gradients
 
 
-def reference_online(level, x, chunk, lr, clip, act):
-    """Per sample, per complete chunk: read with pre-chunk weights, then θ -= clip(lr·∇ Σ ½‖MLP(x)−x‖²)."""
+def reference_online(level, proj, x, chunk, lr, clip, act):
+    """Per sample, per complete chunk: read with pre-chunk weights, then θ -= clip(lr·∇ Σ ½‖MLP(k)−v‖²) with
+    k = x W_kᵀ, v = x W_vᵀ (the local rule), by autograd."""
     outs = []
     with torch.enable_grad():
-        return _reference_online(level, x, chunk, lr, clip, act, outs)
+        return _reference_online(level, proj, x, chunk, lr, clip, act, outs)
 
 
-def _reference_online(level, x, chunk, lr, clip, act, outs):
+def _reference_online(level, proj, x, chunk, lr, clip, act, outs):
     for b in range(x.shape[0]):
         theta = [level.gate_proj.weight.detach().clone(), level.up_proj.weight.detach().clone(),
                  level.down_proj.weight.detach().clone()]
@@ -345,7 +347,9 @@ def _reference_online(level, x, chunk, lr, clip, act, outs):
             ys.append(y.detach())
             if xc.shape[0] < chunk:
                 break
-            loss = 0.5 * (y - xc).pow(2).sum()
+            k, v = F.linear(xc, proj.k_proj.weight), F.linear(xc, proj.v_proj.weight)
+            yk = F.linear(act(F.linear(k, th[0])) * F.linear(k, th[1]), th[2])
+            loss = 0.5 * (yk - v).pow(2).sum()
             grads = torch.autograd.grad(loss, th)
             steps = [lr * g for g in grads]
             norm = math.sqrt(sum(float(s.pow(2).sum()) for s in steps))
@@ -363,12 +367,12 @@ def test_online_matches_reference_loop(hidden_act, clip):
     x = inputs()
     with torch.no_grad():
         got = cms(x)[0]
-        expect = reference_online(cms.levels[0], x, C, LR, clip, cms.act_fn) + cms.levels[1](x) + cms.levels[2](x)
+        expect = reference_online(cms.levels[0], cms.local_proj[0], x, C, LR, clip, cms.act_fn) + cms.levels[1](x) + cms.levels[2](x)
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
     # the clip matters: tight clip, no clip and a static level all differ
     if clip == 1e-3:
         unclipped = make(modes=("online", "static", "static"), inner_lr=LR, update_clip=None, hidden_act=hidden_act)
-        unclipped.load_state_dict(cms.state_dict())
+        unclipped.load_state_dict(cms.state_dict())  # same levels and projections
         with torch.no_grad():
             assert (unclipped(x)[0] - got)[:, C:].abs().max() > 1e-3
 

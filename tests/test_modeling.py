@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import MIXER_NAMES, make_model, randomize_, tiny_config
+from conftest import MIXER_NAMES, MIXER_VARIANTS, make_model, randomize_, tiny_config
 from transformers import AutoModelForCausalLM
 
 import tlm
@@ -20,7 +20,7 @@ def _logits(model, ids, **kw):
         return model(ids, use_cache=False, **kw).logits
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_cache_equals_no_cache(mixer, ids):
     # 13 tokens: prefill 6, then decode one at a time, crossing chunk boundaries (chunk 4) mid-stream
     model = make_model(mixer)
@@ -34,7 +34,7 @@ def test_cache_equals_no_cache(mixer, ids):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_chunked_prefill_equals_one_pass(mixer, ids):
     model = make_model(mixer)
     full = _logits(model, ids)
@@ -44,7 +44,7 @@ def test_chunked_prefill_equals_one_pass(mixer, ids):
     torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_tapered_and_uniform_have_identical_parameter_counts(mixer):
     uniform = tlm.TLMForCausalLM(tiny_config(mixer, schedule="uniform"))
     tapered = tlm.TLMForCausalLM(tiny_config(mixer, schedule="cosine"))
@@ -52,11 +52,12 @@ def test_tapered_and_uniform_have_identical_parameter_counts(mixer):
     assert sum(tapered.config.intermediate_sizes) == 3 * 37
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(tapered) == count(uniform)
-    mlp = lambda m: sum(p.numel() for n, p in m.named_parameters() if ".mlp." in n and "norms" not in n)  # noqa: E731
+    mlp = lambda m: sum(p.numel() for n, p in m.named_parameters() if ".mlp.levels." in n or ".mlp.down" in n  # noqa: E731
+                        or ".mlp.up" in n or ".mlp.gate" in n)  # the levels; not chain norms or local-rule projections
     assert mlp(tapered) == mlp(uniform) == 3 * 32 * 3 * 37
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_causality(mixer, ids):
     model = make_model(mixer)
     changed = ids.clone()
@@ -66,14 +67,14 @@ def test_causality(mixer, ids):
     assert (a[:, 8:] - b[:, 8:]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_batch_independence(mixer, ids):
     model = make_model(mixer)
     both = _logits(model, ids)
     torch.testing.assert_close(_logits(model, ids[1:]), both[1:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_save_load_round_trip(mixer, ids, tmp_path):
     model = make_model(mixer, schedule="cosine")
     model.save_pretrained(tmp_path)
@@ -122,7 +123,7 @@ def test_remote_code_loads_without_the_package(tmp_path, ids):
     assert "maxdiff" in result.stdout
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_generate_matches_greedy_full_forward(mixer, ids):
     model = make_model(mixer)
     prompt = ids[:, :5]
@@ -155,21 +156,53 @@ def test_sliding_window_cache_equals_no_cache(ids):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=0)
 
 
-def test_left_padding_matches_unpadded(ids):
-    model = make_model("gated_attention")
-    short = ids[1:, 4:]  # 9 tokens, left-padded with 4 pads in a batch with a 13-token row
-    padded = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), short], 1)
-    batch = torch.cat([ids[:1], padded], 0)
+def _left_padded(ids, pads=5):
+    """A batch of the full row 0 and row 1's last N − pads tokens left-padded with `pads` pad tokens (id 0)."""
+    short = ids[1:, pads:]
+    batch = torch.cat([ids[:1], torch.cat([torch.zeros(1, pads, dtype=ids.dtype), short], 1)], 0)
     mask = torch.ones_like(batch)
-    mask[1, :4] = 0
-    batched = _logits(model, batch, attention_mask=mask)
-    torch.testing.assert_close(batched[1, 4:], _logits(model, short)[0], atol=ATOL, rtol=0)
-    gen = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    alone = model.generate(short, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert torch.equal(gen[1, 4:], alone[0])
+    mask[1, :pads] = 0
+    return batch, mask, short
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
+def test_left_padding_matches_unpadded(mixer, ids):
+    # 5 pads: the short row's chunks (size 4) start at its first real token, not at an absolute multiple of 4
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    alone = _logits(model, short)[0]
+    torch.testing.assert_close(_logits(model, batch, attention_mask=mask)[1, 5:], alone, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_logits(model, batch, attention_mask=mask)[0], _logits(model, ids[:1])[0],
+                               atol=ATOL, rtol=0)
+    with torch.no_grad():  # with cache: padded prefill of 7, then token-by-token decode (mask grows by ones)
+        out = model(batch[:, :7], attention_mask=mask[:, :7], use_cache=True)
+        steps = [out.logits]
+        for t in range(7, batch.shape[1]):
+            out = model(batch[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1)[1, 5:], alone, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
+def test_batched_padded_generate_equals_per_row(mixer, ids):
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    gen = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    alone = [model.generate(row, max_new_tokens=6, do_sample=False, pad_token_id=0) for row in (ids[:1], short)]
+    assert torch.equal(gen[0], alone[0][0])
+    assert torch.equal(gen[1, 5:], alone[1][0])
+
+
+@pytest.mark.parametrize("mixer", ["hope_attention", "titans"])
+def test_padded_beam_search_equals_per_row(mixer, ids):
+    model = make_model(mixer)
+    batch, mask, short = _left_padded(ids)
+    kw = dict(max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=0)
+    gen = model.generate(batch, attention_mask=mask, **kw)
+    assert torch.equal(gen[1, 5:], model.generate(short, **kw)[0])
+
+
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
     grads = []
     for ckpt in (False, True):
@@ -186,7 +219,7 @@ def test_gradient_checkpointing_gives_same_gradients(mixer, ids):
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mixer", MIXER_NAMES)
+@pytest.mark.parametrize("mixer", MIXER_VARIANTS)
 def test_every_parameter_gets_a_gradient(mixer, ids):
     model = make_model(mixer).train()
     model(ids, labels=ids, use_cache=False).loss.backward()

@@ -7,6 +7,8 @@ Mixer contract (shared by every mixer in ``mixers.py``)::
     position_embeddings: (cos, sin) each (B, N, Dh), or None without RoPE
     attention_mask: None (plain causal, nothing cached) or bool (B, 1, N, T), True = may attend
     cache: TLMCache or None; a mixer keeps its state in cache.layers[layer_idx]
+    token_mask: None (no padding in this call) or bool (B, N), False at pad tokens; stateful mixers keep pads
+        out of their state (see ``padding.py``), attention needs only attention_mask
 
 Axis legend: B batch, N new tokens, T keys (past + new), H query heads, K key/value heads, Dh head dim.
 """
@@ -48,6 +50,14 @@ def sdpa_attention(q, k, v, mask, scale):
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
+def _mask_with_prefix(mask, p, n, t, device):
+    """bool (B|1, 1, N, P + T): `p` always-visible prefix keys, then `mask` (None = causal over the last N of T)."""
+    if mask is None:
+        mask = torch.ones(n, t, dtype=torch.bool, device=device).tril(t - n)[None, None]  # (1, 1, N, T)
+    ones = torch.ones(*mask.shape[:-1], p, dtype=torch.bool, device=device)
+    return torch.cat([ones, mask], dim=-1)
+
+
 class Attention(nn.Module):
     """Causal GQA softmax attention with RoPE (or none), optional q/k norm and biases, SDPA or eager."""
 
@@ -67,8 +77,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps, offset=config.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps, offset=config.norm_offset)
 
-    def attend(self, x, position_embeddings, attention_mask, cache):
-        """Per-head attention output before o_proj: (B, N, d) -> (B, N, H*Dh)."""
+    def attend(self, x, position_embeddings, attention_mask, cache, prefix=None):
+        """Per-head attention output before o_proj: (B, N, d) -> (B, N, H*Dh).
+
+        prefix: None or (keys, values), each (B, K, P, Dh): extra keys every query sees (Titans' persistent
+        memory), placed before the cached and new keys, never cached, outside any window or padding mask."""
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, -1, self.head_dim)  # (B, N, H, Dh)
         k = self.k_proj(x).view(B, N, -1, self.head_dim)  # (B, N, K, Dh)
@@ -81,11 +94,14 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update_kv(self.layer_idx, k, v)  # (B, K, T, Dh)
+        if prefix is not None:
+            attention_mask = _mask_with_prefix(attention_mask, prefix[0].shape[2], N, k.shape[2], x.device)
+            k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, K, P + T, Dh)
         impl = ATTENTION_FUNCTIONS.get(self.config._attn_implementation or "sdpa", sdpa_attention)
         dropout_free = impl(q, k, v, attention_mask, self.scale)  # (B, H, N, Dh)
         return dropout_free.transpose(1, 2).reshape(B, N, -1)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, token_mask=None):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, cache))
 
 
@@ -101,7 +117,7 @@ class GatedAttention(Attention):
         gate_out = self.num_heads * (self.head_dim if config.gate_type == "elementwise" else 1)
         self.gate_proj = nn.Linear(config.hidden_size, gate_out, bias=True)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, token_mask=None):
         B, N, _ = hidden_states.shape
         attn = self.attend(hidden_states, position_embeddings, attention_mask, cache)  # (B, N, H*Dh)
         gate = torch.sigmoid(self.gate_proj(hidden_states).float())  # (B, N, H*Dh) or (B, N, H)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+ROWS = "rows"  # key of a per-row state: {"rows": [state of row 0, ...]} (padding.py)
+
 
 class TLMCache:
     """Per-layer named state for incremental decoding (see module docstring)."""
@@ -38,21 +40,29 @@ class TLMCache:
         return [False for _ in self.layers]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder every batched tensor for beam search (states are batch-first tensors or nests of them)."""
-        self.layers = [_map_tensors(slot, lambda t: t.index_select(0, beam_idx.to(t.device))) for slot in self.layers]
+        """Reorder every batched state for beam search: batch-first tensors (or nests of them) are indexed, per-row
+        states (``{"rows": [...]}``, see ``padding.py``) have their rows reordered."""
+
+        def reorder(state):
+            if isinstance(state, dict) and ROWS in state:
+                return {ROWS: [state[ROWS][i] for i in beam_idx.tolist()]}
+            return map_tensors(state, lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+        self.layers = [{name: reorder(state) for name, state in slot.items()} for slot in self.layers]
 
     def __len__(self) -> int:
         return len(self.layers)
 
 
-def _map_tensors(obj, fn):
+def map_tensors(obj, fn):
+    """`fn` applied to every tensor of a nest of dicts, lists and tuples (other leaves unchanged)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
-__all__ = ["TLMCache"]
+__all__ = ["TLMCache", "map_tensors"]

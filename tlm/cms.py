@@ -10,14 +10,25 @@ Topologies (``topology``):
 * ``"sum"`` ("independent"): ``y = Σ_ℓ MLP_ℓ(x)``. A SwiGLU output is a sum over hidden units, so a sum of
   static levels *is* a plain MLP whose units are partitioned into groups; this is the exact, parameter-neutral
   upcycling path (`ContinuumMemory.from_gated_mlp`).
-* ``"chain"`` ("sequential", the paper's CMS, made residual so it trains from scratch and upcycles):
-  ``h_1 = MLP_1(x)``, ``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm_ℓ(h_ℓ))``, ``y = h_k``. The k−1 learned RMSNorm gains
-  (``norms.{ℓ-1}.weight``, initialised to 1) are the only extra parameters: ``(k−1)·d`` per layer, not tapered.
-  With zero ``down_proj`` on levels ≥ 2 the chain equals MLP_1 exactly.
+* ``"chain"`` ("sequential", the paper's CMS, made residual so it trains from scratch and upcycles): a residual
+  sub-stream that starts at the CMS input, ``u_0 = x``, ``u_ℓ = u_{ℓ−1} + MLP_ℓ(n_ℓ)`` with ``n_1 = x`` and
+  ``n_ℓ = RMSNorm_{ℓ−1}(u_{ℓ−1})``, and ``y = u_k − x = Σ_ℓ MLP_ℓ(n_ℓ)``: each level reads the normalised input
+  plus everything the earlier levels wrote, i.e. k pre-norm MLP sub-layers of width ω_ℓ·d_ff. The k−1 learned
+  RMSNorm gains (``norms.{ℓ-1}.weight``, initialised to 1) are the only extra parameters: ``(k−1)·d`` per layer,
+  not tapered. With zero ``down_proj`` on levels ≥ 2 the chain equals MLP_1 exactly.
+
+  Why the sub-stream starts at x (measured, bench/RESULTS.md "Hope-attention that trains"): the earlier form
+  ``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm(h_ℓ))`` normalised the *output* of level 1, which stays at 1-13% of its
+  input's RMS early in training, so the norm amplified it and its gradient by 1/rms: the CMS took 24-48% of the
+  clipped gradient norm (3-22% with the sub-stream), with spikes, and the model learned slowly (eval 3.28 vs
+  attention 2.85 nats/byte after 60 steps; 2.90 with the sub-stream).
 
 Modes per level (``modes``):
 
 * ``"static"``: an ordinary trained MLP.
+* ``"slow(m)"``: a static MLP in the forward pass whose parameters the outer optimiser steps only every m
+  optimiser steps, on the gradients accumulated since its last step (`tlm.slow.SlowLevels`, one call in the
+  training loop before ``optimizer.step()``); the levels whose chunk exceeds the context in Nested Learning.
 * ``"online"``: per-sample *fast weights* (batch axis: samples never share them) that start every sequence at
   the level's trained parameters and are updated in context every ``chunk_size`` tokens. Chunk boundaries are
   absolute positions (multiples of ``chunk_size`` counted from position 0 of the sequence). Tokens of a chunk
@@ -25,12 +36,14 @@ Modes per level (``modes``):
   has arrived, so outputs never depend on later tokens.
 
 Update rule — ``local`` (a labelled deviation: design §4.4 names the paper-faithful ``teach`` rule, which
-needs the LM-loss gradient at the CMS output and a per-chunk backward; ``local`` is the parallel, cheap
-alternative). After each complete chunk c, with the level's own input ``x_t`` as reconstruction target::
+needs the LM-loss gradient at the CMS output and a per-chunk forward/backward; ``teach`` is not implemented, see
+the README). ``local`` is the Titans-style associative rule with learned projections: after each complete chunk
+c, with ``k_t = x_t W_k`` and ``v_t = x_t W_v`` (``local_proj.{j}.{k,v}_proj``, one pair per online level j,
+present only when ``inner_lr > 0``: 2·d² parameters each)::
 
-    θ ← θ − clip( η · Σ_{t∈c} ∇_θ ½‖MLP_θ(x_t) − x_t‖² )
+    θ ← θ − clip( η · Σ_{t∈c} ∇_θ ½‖MLP_θ(k_t) − v_t‖² )
 
-The gradient is computed in closed form (`_local_grad_factors`), batched over the batch axis, in fp32 (autocast
+The gradient is computed in closed form (`_grad_factors`), batched over the batch axis, in fp32 (autocast
 is disabled inside online levels; fp64 inputs stay fp64). It is kept as rank-n factors: the clip norm comes
 from n×n Gram matrices and each step is one fused ``baddbmm`` per matrix, so no full gradient is formed. It is
 made of ordinary differentiable tensor ops, so outer training backpropagates through every fast-weight
@@ -40,8 +53,9 @@ together) is rescaled to Frobenius norm at most ``update_clip`` (default 1.0; ``
 updates cannot explode however large the reconstruction error is. At ``inner_lr == 0`` an online level is
 computed exactly as a static one (same ops, bit-identical) while its state is still tracked.
 
-Cost: an online level runs sequentially over N/C chunks; per chunk it reads (3 matmuls), forms dh (1) and
-steps the weights (3 rank-C updates), about 7/3 of a static level's forward FLOPs, and autograd keeps one set
+Cost: an online level runs sequentially over N/C chunks; per chunk it reads (3 matmuls), projects k and v (2),
+runs the memory on k (3), forms dh (1) and steps the weights (3 rank-C updates), about 4x a static level's
+forward FLOPs, and autograd keeps one set
 of per-sample fast weights (B·3·d·w floats) per chunk for the backward.
 
 Cache (``use_cache=True``) — the returned ``state`` is a dict::
@@ -64,26 +78,39 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .mlp import GatedMLP, get_activation
+from .padding import needs_rows, run_rows
 
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 FastWeights = tuple  # (gate (B, w, d), up (B, w, d), down (B, d, w))
 
-MODES = ("static", "online")
+MODES = ("static", "online", "slow(m)")
 TOPOLOGIES = ("sum", "chain")
 _SHARE_TOL = 1e-6
 _FLOOR_EPS = 1e-9  # guards floor() against 1/3·39 = 12.999999999999998
 
 
 # --------------------------------------------------------------------------------------------------------------
-# widths
+# modes and widths
+
+
+def parse_mode(mode: str) -> tuple[str, int | None]:
+    """A level mode -> (kind, m): "static" -> ("static", None), "online" -> ("online", None), "slow(4)" -> ("slow", 4)."""
+    if mode in ("static", "online"):
+        return mode, None
+    match = re.fullmatch(r"slow\((\d+)\)", str(mode).replace(" ", ""))
+    if match and int(match.group(1)) >= 1:
+        return "slow", int(match.group(1))
+    raise ValueError(f"mode {mode!r} is invalid; allowed: 'static', 'online', 'slow(m)' with an integer m >= 1")
+
 
 
 def split_level_widths(total: int, shares: Sequence[float], multiple_of: int = 1) -> list[int]:
@@ -116,10 +143,12 @@ def split_level_widths(total: int, shares: Sequence[float], multiple_of: int = 1
     return widths
 
 
-def cms_num_params(hidden_size: int, intermediate_size: int, num_levels: int, topology: str = "sum") -> int:
-    """Parameters of a ContinuumMemory: ``3·d·intermediate_size`` plus ``(k−1)·d`` norm gains for chain."""
+def cms_num_params(hidden_size: int, intermediate_size: int, num_levels: int, topology: str = "sum",
+                   local_projections: int = 0) -> int:
+    """Parameters of a ContinuumMemory: ``3·d·intermediate_size``, ``(k−1)·d`` norm gains for chain, and ``2·d²``
+    per online level with the local rule's projections (present only when inner_lr > 0)."""
     extra = (num_levels - 1) * hidden_size if topology == "chain" else 0
-    return 3 * hidden_size * intermediate_size + extra
+    return 3 * hidden_size * intermediate_size + extra + 2 * hidden_size * hidden_size * local_projections
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -187,20 +216,20 @@ def _fast_forward(x: Tensor, fast: FastWeights, act: Callable) -> tuple[Tensor, 
     return y, (a, b, s, h)
 
 
-def _local_grad_factors(
-    x: Tensor, y: Tensor, inter: tuple[Tensor, Tensor, Tensor, Tensor], down: Tensor, act_grad: Callable
+def _grad_factors(
+    k: Tensor, err: Tensor, inter: tuple[Tensor, Tensor, Tensor, Tensor], down: Tensor, act_grad: Callable
 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """Closed-form ∇_θ Σ_t ½‖MLP_θ(x_t) − x_t‖² per sample, as rank-n factor pairs (P, Q) with ∇ = Pᵀ Q.
+    """Closed-form ∇_θ Σ_t ⟨MLP_θ(k_t), err_t⟩ per sample (err held fixed), as rank-n factor pairs (P, Q), ∇ = Pᵀ Q.
 
-    x, y: (B, n, d); inter: (a, b, s, h) each (B, n, w); down: (B, d, w). With r = y − x:
-    ∇gate = (dh ⊙ b ⊙ act'(a))ᵀ x, ∇up = (dh ⊙ s)ᵀ x, ∇down = rᵀ h, where dh = r · down.
-    Returns ((P_gate (B, n, w), x), (P_up (B, n, w), x), (r (B, n, d), h (B, n, w))). The full (B, w, d) gradients
-    are never formed: the norm is taken from n×n Gram matrices and the step is fused into one baddbmm.
+    With err_t = MLP_θ(k_t) − v_t this is ∇_θ Σ_t ½‖MLP_θ(k_t) − v_t‖² (the local rule).
+    k, err: (B, n, d); inter: (a, b, s, h) of MLP_θ(k), each (B, n, w); down: (B, d, w).
+    ∇gate = (dh ⊙ b ⊙ act'(a))ᵀ k, ∇up = (dh ⊙ s)ᵀ k, ∇down = errᵀ h, where dh = err · down.
+    Returns ((P_gate (B, n, w), k), (P_up (B, n, w), k), (err (B, n, d), h (B, n, w))). The full (B, w, d)
+    gradients are never formed: the norm is taken from n×n Gram matrices and the step is one baddbmm.
     """
     a, b, s, h = inter
-    r = y - x  # (B, n, d) residual
-    dh = torch.matmul(r, down)  # (B, n, w)
-    return (dh * b * act_grad(a), x), (dh * s, x), (r, h)
+    dh = torch.matmul(err, down)  # (B, n, w)
+    return (dh * b * act_grad(a), k), (dh * s, k), (err, h)
 
 
 def _outer_sq_norm(p: Tensor, q: Tensor) -> Tensor:
@@ -254,25 +283,30 @@ def online_level_forward(
     clip: float | None,
     act: Callable,
     act_grad: Callable,
+    proj: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, FastWeights, Tensor | None]:
-    """Run one online level over x, chunk by chunk.
+    """Run one online level over x, chunk by chunk (local rule).
 
     x: (B, T, d) fp32, the level's input for the next T tokens; fast: the current fast weights (weights from
     before the current chunk); buffer: (B, m, d) inputs of the current partial chunk already consumed
-    (m = pos % chunk_size) or None. Returns y (B, T, d), the new fast weights and the new buffer.
-    Every segment is read with the pre-chunk weights; a chunk's update is applied once the chunk completes.
+    (m = pos % chunk_size) or None; proj: the local rule's (W_k, W_v), each (d, d), needed when lr > 0.
+    Returns y (B, T, d), the new fast weights and the new buffer. Every segment is read with the pre-chunk
+    weights; a chunk's update, from k = chunk W_kᵀ and v = chunk W_vᵀ, is applied once the chunk completes.
     """
+    if lr > 0 and proj is None:
+        raise ValueError("proj = None is invalid with lr > 0; allowed: the local rule's (W_k, W_v)")
     B, T, d = x.shape
     m = 0 if buffer is None else buffer.shape[1]
     outs = []
     for seg in x.split(_segment_sizes(T, m, chunk_size), dim=1):  # split: its backward is one cat, not N²
         n = seg.shape[1]
+        outs.append(_fast_forward(seg, fast, act)[0])  # (B, n, d), read with the pre-chunk weights
         chunk = seg if buffer is None else torch.cat([buffer, seg], dim=1)  # (B, m + n, d)
-        y, inter = _fast_forward(chunk, fast, act)  # recompute over the buffer: needed for the update
-        outs.append(y[:, m:])  # (B, n, d)
         if m + n == chunk_size:
             if lr > 0:
-                factors = _local_grad_factors(chunk, y, inter, fast[2], act_grad)
+                k, v = torch.matmul(chunk, proj[0].t()), torch.matmul(chunk, proj[1].t())  # (B, C, d)
+                yk, inter = _fast_forward(k, fast, act)
+                factors = _grad_factors(k, yk - v, inter, fast[2], act_grad)
                 fast = _apply_step(fast, factors, _step_coefficient(factors, lr, clip))
             buffer, m = None, 0
         else:
@@ -299,6 +333,15 @@ def _roll_buffer(buffer: Tensor | None, x: Tensor, pos: int, chunk_size: int) ->
 # module
 
 
+class _KeyValue(nn.Module):
+    """The local rule's projections k = x W_kᵀ, v = x W_vᵀ (no biases)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+
 class _RMSNorm(nn.Module):
     """Llama-style RMSNorm with a learned gain (initialised to 1); x: (..., d) -> (..., d), computed in fp32."""
 
@@ -320,8 +363,10 @@ def _check_config(shares, modes, topology, chunk_size, inner_lr, update_clip) ->
             f"allowed: one mode per level"
         )
     for i, m in enumerate(modes):
-        if m not in MODES:
-            raise ValueError(f"modes[{i}] = {m!r} is invalid; allowed: {', '.join(map(repr, MODES))}")
+        try:
+            parse_mode(m)
+        except ValueError:
+            raise ValueError(f"modes[{i}] = {m!r} is invalid; allowed: {', '.join(map(repr, MODES))}") from None
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology = {topology!r} is invalid; allowed: {', '.join(map(repr, TOPOLOGIES))}")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -369,7 +414,11 @@ class ContinuumMemory(nn.Module):
         self.levels = nn.ModuleList(GatedMLP(hidden_size, w, hidden_act, bias=False) for w in self.widths)
         n_norms = len(self.widths) - 1 if topology == "chain" else 0
         self.norms = nn.ModuleList(_RMSNorm(hidden_size, norm_eps) for _ in range(n_norms))
-        self.online_levels = tuple(i for i, m in enumerate(modes) if m == "online")
+        kinds = [parse_mode(m) for m in modes]
+        self.online_levels = tuple(i for i, (kind, _) in enumerate(kinds) if kind == "online")
+        self.slow_every = {i: every for i, (kind, every) in enumerate(kinds) if kind == "slow"}  # level -> m
+        if self.inner_lr > 0:  # the local rule's key/value projections, one pair per online level
+            self.local_proj = nn.ModuleList(_KeyValue(hidden_size) for _ in self.online_levels)
         logger.debug(
             "ContinuumMemory d=%d widths=%s modes=%s topology=%s C=%d eta=%g",
             hidden_size, self.widths, modes, topology, chunk_size, self.inner_lr,
@@ -441,36 +490,58 @@ class ContinuumMemory(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------
 
-    def _online(self, i: int, x: Tensor, fast: FastWeights, buffer: Tensor | None, pos: int):
-        """Online level i on x (B, T, d) -> (y (B, T, d) in x.dtype, new fast weights, new buffer (>= fp32))."""
+    def slow_parameters(self) -> list[tuple[nn.Parameter, int]]:
+        """(parameter, m) for every parameter of a level in slow(m) mode."""
+        return [(p, m) for i, m in self.slow_every.items() for p in self.levels[i].parameters()]
+
+    def _online(self, i: int, j: int, x: Tensor, fast: FastWeights, buffer: Tensor | None, pos: int):
+        """Online level i (j-th online level) on x (B, T, d) -> (y (B, T, d) in x.dtype, new fast weights, new
+        buffer (>= fp32))."""
         xc = x.to(_compute_dtype(x.dtype))
         if self.inner_lr == 0.0:  # no update can ever happen: compute exactly as a static level
             return self.levels[i](x), fast, _roll_buffer(buffer, xc, pos, self.chunk_size)
+        kv = self.local_proj[j]
+        proj = (kv.k_proj.weight.to(xc.dtype), kv.v_proj.weight.to(xc.dtype))
         with torch.autocast(device_type=x.device.type, enabled=False):  # fast weights stay fp32
             y, fast, buffer = online_level_forward(
-                xc, fast, buffer, self.chunk_size, self.inner_lr, self.update_clip, self.act_fn, self.act_grad
+                xc, fast, buffer, self.chunk_size, self.inner_lr, self.update_clip, self.act_fn, self.act_grad, proj
             )
         return y.to(x.dtype), fast, buffer
 
-    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False) -> tuple[Tensor, dict | None]:
-        """x: (B, N, hidden) already normed by the block -> (y (B, N, hidden), new state if use_cache else None)."""
+    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False,
+                token_mask: Tensor | None = None) -> tuple[Tensor, dict | None]:
+        """x: (B, N, hidden) already normed by the block -> (y (B, N, hidden), new state if use_cache else None).
+
+        token_mask: None or (B, N) bool, False at pad tokens. With a live online level (inner_lr > 0) pads never
+        enter the fast weights or the chunk buffer, chunks count from each row's first real token, and pad
+        positions output 0 (row by row, see `padding`); without one, every token is independent and the mask is
+        not needed.
+        """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x shape = {tuple(x.shape)} is invalid; allowed: (B, N, {self.hidden_size})")
+        if self.online_levels and self.inner_lr > 0 and needs_rows(token_mask, state):
+            return run_rows(self._forward, x, token_mask, state, use_cache, self.hidden_size)
+        return self._forward(x, state, use_cache)
+
+    def _forward(self, x: Tensor, state: dict | None, use_cache: bool) -> tuple[Tensor, dict | None]:
         B, T, _ = x.shape
         pos, fast_in, buf_in = self._unpack_state(state, B, x.dtype)
         fast_out, buf_out = [], []
-        acc = None  # sum: running Σ; chain: h_ℓ — (B, T, d)
+        acc = None  # Σ_ℓ MLP_ℓ(n_ℓ) — (B, T, d)
+        stream = x  # chain: u_ℓ = x + Σ_{ℓ' ≤ ℓ} MLP_ℓ'(n_ℓ')
         j = 0  # index among online levels
         for i, level in enumerate(self.levels):
-            inp = x if (self.topology == "sum" or i == 0) else self.norms[i - 1](acc)  # (B, T, d)
-            if self.modes[i] == "online":
-                out, f, b = self._online(i, inp, fast_in[j], None if buf_in is None else buf_in[j], pos)
+            inp = x if (self.topology == "sum" or i == 0) else self.norms[i - 1](stream)  # (B, T, d)
+            if i in self.online_levels:
+                out, f, b = self._online(i, j, inp, fast_in[j], None if buf_in is None else buf_in[j], pos)
                 fast_out.append(f)
                 buf_out.append(b)
                 j += 1
             else:
                 out = level(inp)  # (B, T, d)
             acc = out if acc is None else acc + out
+            if self.topology == "chain" and i + 1 < len(self.levels):
+                stream = stream + out
         if not use_cache:
             return acc, None
         new_pos = pos + T
@@ -484,6 +555,7 @@ class ContinuumMemory(nn.Module):
 
 __all__ = [
     "ContinuumMemory",
+    "parse_mode",
     "split_level_widths",
     "cms_num_params",
     "activation_derivative",

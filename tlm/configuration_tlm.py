@@ -26,7 +26,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
 NORM_TYPES = ("rmsnorm", "layernorm")
 POSITION_TYPES = ("rope", "learned")
-HOPE_MODES = ("static", "online")
+HOPE_MODES = ("static", "online", "slow(m)")
 
 FAMILY_NOTES = """
 Llama/Mistral/SmolLM: defaults (rmsnorm, rope, gated silu MLP); Mistral adds sliding_window.
@@ -58,7 +58,13 @@ class TLMConfig(PretrainedConfig):
         gate_type: gated attention gate, "elementwise" or "headwise".
         titans_*: Titans memory (heads, head dim, depth, expansion, chunk size, theta_max, conv kernel, and the
             per-token surprise-norm clip that keeps the inner updates bounded; None disables it).
-        hope_*: Hope continuum memory (level shares, modes, topology, chunk size, inner learning rate).
+            titans_variant: "gate" (attention channels gated by the memory, 2σ(r W_c); W_c = 0 upcycles exactly;
+            the default) or "mag" (the Titans paper's MAG: normalised attention and memory branches combined,
+            titans_persistent_tokens learned tokens N_p prepended to attention and memory; use sliding_attention
+            layer_types for its sliding window).
+        hope_*: Hope continuum memory (level shares, modes "static" / "online" / "slow(m)", topology, chunk size
+            of online levels, inner learning rate η of the online levels' local rule; η = 0, the default per
+            design/model.md §4.4, makes an online level compute exactly as a static one).
     """
 
     model_type = "tlm"
@@ -107,11 +113,13 @@ class TLMConfig(PretrainedConfig):
         titans_theta_max: float = 0.1,
         titans_conv_kernel: int = 4,
         titans_surprise_clip: float | None = 1.0,
+        titans_variant: str = "gate",
+        titans_persistent_tokens: int = 4,
         hope_level_shares: list[float] | None = None,
         hope_level_modes: list[str] | None = None,
         hope_topology: str = "chain",
         hope_chunk_size: int = 16,
-        hope_inner_lr: float = 1e-3,
+        hope_inner_lr: float = 0.0,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -161,6 +169,8 @@ class TLMConfig(PretrainedConfig):
         self.titans_theta_max = titans_theta_max
         self.titans_conv_kernel = titans_conv_kernel
         self.titans_surprise_clip = titans_surprise_clip
+        self.titans_variant = titans_variant
+        self.titans_persistent_tokens = titans_persistent_tokens
         self.hope_level_shares = list(hope_level_shares) if hope_level_shares else [1 / 3, 1 / 3, 1 / 3]
         self.hope_level_modes = list(hope_level_modes) if hope_level_modes else ["online", "static", "static"]
         self.hope_topology = hope_topology
@@ -298,9 +308,22 @@ def _collect_errors(cfg: TLMConfig) -> list[str]:
     if "titans" in cfg.mixer:
         _check_positive(errors, cfg, ["titans_num_heads", "titans_head_dim", "titans_memory_depth",
                                       "titans_memory_expansion", "titans_chunk_size", "titans_conv_kernel"])
+        _check_choice(errors, "titans_variant", cfg.titans_variant, ("gate", "mag"))
+        if not (isinstance(cfg.titans_persistent_tokens, int) and cfg.titans_persistent_tokens >= 0):
+            errors.append(f"titans_persistent_tokens={cfg.titans_persistent_tokens!r}: expected an integer >= 0")
     if "hope_attention" in cfg.mixer:
         _check_hope(errors, cfg)
     return errors
+
+
+def _valid_mode(mode) -> bool:
+    from .cms import parse_mode
+
+    try:
+        parse_mode(mode)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_hope(errors, cfg):
@@ -309,7 +332,7 @@ def _check_hope(errors, cfg):
         errors.append(f"hope_level_shares has {len(shares)} entries but hope_level_modes has {len(modes)}")
     if any(s <= 0 for s in shares) or not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
         errors.append(f"hope_level_shares={shares!r}: expected positive shares summing to 1")
-    bad = [m for m in modes if m not in HOPE_MODES]
+    bad = [m for m in modes if not _valid_mode(m)]
     if bad:
         errors.append(f"hope_level_modes has {bad!r}: expected each of {', '.join(HOPE_MODES)}")
     if not (isinstance(cfg.hope_chunk_size, int) and cfg.hope_chunk_size >= 1):

@@ -30,6 +30,11 @@ def build_mixer(config, layer_idx: int) -> nn.Module:
     return MIXERS[name](config, layer_idx)
 
 
+def cms_multiple_of(config) -> int:
+    """Rounding multiple of Hope's level widths: the taper's ``multiple_of`` (1 when unset)."""
+    return config.multiple_of or 1
+
+
 def build_mlp(config, layer_idx: int) -> nn.Module:
     width = config.intermediate_sizes[layer_idx]
     if config.mixer[layer_idx] == "hope_attention":
@@ -42,6 +47,7 @@ def build_mlp(config, layer_idx: int) -> nn.Module:
             chunk_size=config.hope_chunk_size,
             inner_lr=config.hope_inner_lr,
             hidden_act=config.hidden_act,
+            multiple_of=cms_multiple_of(config),
             norm_eps=config.norm_eps,
         )
     if config.mlp_gated:
@@ -49,4 +55,4 @@ def build_mlp(config, layer_idx: int) -> nn.Module:
     return PlainMLP(config.hidden_size, width, config.hidden_act, bias=config.mlp_bias)
 
 
-__all__ = ["MIXERS", "build_mixer", "build_mlp"]
+__all__ = ["MIXERS", "build_mixer", "build_mlp", "cms_multiple_of"]

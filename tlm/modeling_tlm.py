@@ -39,23 +39,25 @@ class TLMDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = build_norm(config)
         self.sandwich = config.sandwich_norm
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        # hidden_states: (B, N, d) -> (B, N, d)
-        return self.feed_forward(self.mix(hidden_states, position_embeddings, attention_mask, cache), cache)
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache, token_mask=None):
+        # hidden_states: (B, N, d) -> (B, N, d); token_mask: None or bool (B, N), False at pad tokens
+        z = self.mix(hidden_states, position_embeddings, attention_mask, cache, token_mask)
+        return self.feed_forward(z, cache, token_mask)
 
-    def mix(self, hidden_states, position_embeddings, attention_mask, cache):
+    def mix(self, hidden_states, position_embeddings, attention_mask, cache, token_mask=None):
         """Token-mixer half of the block: h -> z = h + mixer(norm(h))."""
-        x = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        x = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache,
+                           token_mask=token_mask)
         if self.sandwich:
             x = self.post_mixer_layernorm(x)
         return hidden_states + x
 
-    def feed_forward(self, hidden_states, cache=None):
+    def feed_forward(self, hidden_states, cache=None, token_mask=None):
         """MLP half of the block: z -> z + mlp(norm(z)) (the converter calibrates the two halves separately)."""
         x = self.post_attention_layernorm(hidden_states)
         if isinstance(self.mlp, ContinuumMemory):  # Hope's continuum memory keeps in-context state
             state = cache.layers[self.layer_idx].get("cms") if cache is not None else None
-            x, state = self.mlp(x, state, use_cache=cache is not None)
+            x, state = self.mlp(x, state, use_cache=cache is not None, token_mask=token_mask)
             if cache is not None:
                 cache.layers[self.layer_idx]["cms"] = state
         else:
@@ -167,12 +169,13 @@ class TLMModel(TLMPreTrainedModel):
 
         h = self.embed(inputs_embeds, position_ids)
         rope, masks = self.block_context(h, position_ids, attention_mask, past)
+        token_mask = _token_mask(attention_mask, past, N, h.device)
 
         all_hidden = [] if output_hidden_states else None
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(h)
-            args = (h, rope.get(layer.layer_type), masks[layer.layer_type], cache)
+            args = (h, rope.get(layer.layer_type), masks[layer.layer_type], cache, token_mask)
             if self.gradient_checkpointing and self.training:
                 fn = getattr(self, "_gradient_checkpointing_func", None) or _checkpoint
                 h = fn(layer.__call__, *args)
@@ -218,6 +221,14 @@ def _position_ids(attention_mask, past, n, device, batch):
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return pos[:, past : past + n].to(device)
     return torch.arange(past, past + n, device=device).unsqueeze(0).expand(batch, -1)
+
+
+def _token_mask(attention_mask, past, n, device):
+    """None when this call has no padding, else bool (B, N): True at the new tokens that are real."""
+    if attention_mask is None:
+        return None
+    new = attention_mask[:, past : past + n].to(device).bool()
+    return None if bool(new.all()) else new
 
 
 def _attention_mask(attention_mask, past, n, config, layer_type, device):

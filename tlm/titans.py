@@ -64,6 +64,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .padding import needs_rows, run_rows
+
 logger = logging.getLogger(__name__)
 
 Shapes = list[tuple[int, int]]  # per memory layer: (out, in)
@@ -496,11 +498,17 @@ class NeuralMemory(nn.Module):
         new["conv"] = inp.conv
         return r, new
 
-    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False) -> tuple[Tensor, dict | None]:
+    def forward(self, x: Tensor, state: dict | None = None, use_cache: bool = False,
+                token_mask: Tensor | None = None) -> tuple[Tensor, dict | None]:
         """x: (B,N,hidden), already normed -> r (B,N,H·D), and the new state when use_cache (else None).
 
         `state` (from a previous call with use_cache=True) continues the same sequences; None starts new ones.
+        `token_mask` (B,N) bool, False at pad tokens: pads never update the memory or the conv tails, chunks count
+        from each row's first real token, and pad positions read 0 (row by row, see `padding`).
         """
+        if needs_rows(token_mask, state):
+            run = lambda xb, sb, uc: self._run(xb, sb, uc, reference=False)  # noqa: E731
+            return run_rows(run, x, token_mask, state, use_cache, self.num_heads * self.head_dim)
         return self._run(x, state, use_cache, reference=False)
 
     def reference_forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict]:

@@ -38,7 +38,7 @@ from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
 from .perplexity import perplexity
 from .surgery import GROW_INITS
-from .upcycle import upcycle, upcycled_config
+from .upcycle import carry_scores, upcycle, upcycled_config
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,8 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
     with timer("resize"):
         config = model.config
         config.intermediate_sizes = list(widths)
-        config, state = upcycle(config, model.state_dict(), opts.mixer, result.scores, seed=opts.seed)
+        scores = [carry_scores(s, p.keep, p.grow) for s, p in zip(result.scores, result.plans)]
+        config, state = upcycle(config, model.state_dict(), opts.mixer, scores, seed=opts.seed)
         final = _strict_reload(config, state, opts)
         report.update(_param_report(src, final, opts))
     if evalb is not None:

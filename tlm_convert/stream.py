@@ -65,7 +65,7 @@ from .checkpoint import (
 from .errors import ConversionError, one_line
 from .export import copy_tokenizer, write_generation_config
 from .perplexity import nll_sum
-from .upcycle import upcycle_layer
+from .upcycle import carry_scores, upcycle_layer
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,8 @@ class StreamedLayers:
         prefix = f"model.layers.{i}."
         state = {prefix + k: v for k, v in layer.state_dict().items()}
         del layer
-        state = upcycle_layer(state, i, self.final_model.config.mixer[i], self.final_model.config, score)
+        state = upcycle_layer(state, i, self.final_model.config.mixer[i], self.final_model.config,
+                              carry_scores(score, plan.keep, plan.grow))
         state = {k: v.to(self.dtype) for k, v in state.items()}
         if self.eval is not None:
             with self.timer("eval"):

@@ -4,7 +4,9 @@
 * ``titans``: the memory branch from a fresh (seeded) init, its combine ``memory_gate`` at 0 (gate ≡ 1).
 * ``hope_attention``: the continuum memory in "sum" topology with the layer's MLP neurons partitioned across its
   levels (a SwiGLU output is a sum over neurons, so this is exact), the most important neurons going to the
-  slowest (last) level, and the in-context learning rate 0 (ramp it up during continued pretraining).
+  slowest (last) level, and the in-context learning rate 0 (ramp it up during continued pretraining). The scores
+  must be at the layer's final width: after a taper, `carry_scores` maps the source scores through the kept
+  neurons and puts grown neurons last (least important, so they go to the fastest level).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.cms import split_level_widths
+from tlm.mixers import cms_multiple_of
 
 from .errors import ConversionError
 
@@ -73,9 +76,19 @@ def upcycle_layer(state: dict, i: int, mixer: str, new_config: TLMConfig, scores
     return out
 
 
+def carry_scores(score: torch.Tensor, keep: list[int], grow: int = 0) -> torch.Tensor:
+    """Source-width neuron scores -> the resized layer's (kept neurons in `keep` order, then `grow` new ones at
+    -inf: a resized MLP holds the kept source neurons first and appends the grown ones)."""
+    kept = score.float()[torch.as_tensor(keep, dtype=torch.long)]
+    return torch.cat([kept, kept.new_full((grow,), -float("inf"))])
+
+
 def _split_mlp(sd, prefix, config, width, scores) -> dict:
-    widths = split_level_widths(width, config.hope_level_shares)
-    order = torch.arange(width) if scores is None or scores.numel() != width else torch.sort(scores, stable=True).indices
+    widths = split_level_widths(width, config.hope_level_shares, cms_multiple_of(config))
+    if scores is not None and scores.numel() != width:
+        raise ValueError(f"{prefix}: {scores.numel()} neuron scores for an MLP of width {width}; "
+                         "map source scores through the resize with carry_scores")
+    order = torch.arange(width) if scores is None else torch.sort(scores, stable=True).indices
     new, start = {}, 0
     for level, w in enumerate(widths):  # least important first: the last (slowest, static) level gets the top neurons
         idx = order[start : start + w].sort().values
@@ -86,4 +99,4 @@ def _split_mlp(sd, prefix, config, width, scores) -> dict:
     return new
 
 
-__all__ = ["upcycle", "upcycled_config", "upcycle_layer"]
+__all__ = ["upcycle", "upcycled_config", "upcycle_layer", "carry_scores"]

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tlm.slow import SlowLevels
 from tlm_convert.errors import ConversionError
 from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
 from tlm_convert.perplexity import nll_sum
@@ -377,6 +378,7 @@ class _Run:
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay),
                                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, r))
+        self.slow_levels = SlowLevels(self.model)
         self.step = 0
         if self.resume_from is not None:
             self._load_checkpoint(self.resume_from)
@@ -612,6 +614,7 @@ class _Run:
             total += float(loss.detach()) / accum
         if r.optim.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
+        self.slow_levels.before_step(self.optimizer, self.step)  # Hope's slow(m) levels (no-op without them)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
