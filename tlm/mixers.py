@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from .attention import Attention, GatedAttention
-from .cms import ContinuumMemory
+from .cms import ContinuumMemory, split_level_widths
 from .mlp import GatedMLP, PlainMLP
 from .titans_attention import TitansAttention
 
@@ -30,9 +30,15 @@ def build_mixer(config, layer_idx: int) -> nn.Module:
     return MIXERS[name](config, layer_idx)
 
 
-def cms_multiple_of(config) -> int:
-    """Rounding multiple of Hope's level widths: the taper's ``multiple_of`` (1 when unset)."""
-    return config.multiple_of or 1
+def cms_multiple_of(config, width: int) -> int:
+    """Rounding multiple of Hope's level widths for an MLP of ``width`` neurons: the taper's ``multiple_of`` (1 when
+    unset), or 1 when that multiple would leave a level empty (a narrow layer is split exactly instead)."""
+    q = config.multiple_of or 1
+    try:
+        split_level_widths(width, config.hope_level_shares, q)
+    except ValueError:
+        return 1
+    return q
 
 
 def build_mlp(config, layer_idx: int) -> nn.Module:
@@ -47,7 +53,7 @@ def build_mlp(config, layer_idx: int) -> nn.Module:
             chunk_size=config.hope_chunk_size,
             inner_lr=config.hope_inner_lr,
             hidden_act=config.hidden_act,
-            multiple_of=cms_multiple_of(config),
+            multiple_of=cms_multiple_of(config, width),
             norm_eps=config.norm_eps,
         )
     if config.mlp_gated:

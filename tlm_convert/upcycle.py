@@ -84,7 +84,7 @@ def carry_scores(score: torch.Tensor, keep: list[int], grow: int = 0) -> torch.T
 
 
 def _split_mlp(sd, prefix, config, width, scores) -> dict:
-    widths = split_level_widths(width, config.hope_level_shares, cms_multiple_of(config))
+    widths = split_level_widths(width, config.hope_level_shares, cms_multiple_of(config, width))
     if scores is not None and scores.numel() != width:
         raise ValueError(f"{prefix}: {scores.numel()} neuron scores for an MLP of width {width}; "
                          "map source scores through the resize with carry_scores")
