@@ -57,6 +57,15 @@ def make_model(mixer="attention", seed=0, randomize=True, **overrides):
     return randomize_(model, seed=seed) if randomize else model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and stall badly on a shared 2-core box)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture
 def ids():
     return torch.randint(0, 99, (2, 13), generator=torch.Generator().manual_seed(1))

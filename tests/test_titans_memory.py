@@ -28,13 +28,7 @@ HIDDEN, HEADS, HEAD_DIM, N_TOK, CHUNK = 24, 3, 5, 23, 4
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a shared 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def make_memory(depth=2, chunk_size=CHUNK, seed=0, surprise_clip=None, dtype=torch.float32, **kw) -> NeuralMemory:
