@@ -91,9 +91,9 @@ def copy_of(source, tmp_path):
 
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory):
-    """One successful CLI conversion with --eval-data (shared by the summary and `tlm eval` tests)."""
+    """One successful CLI conversion with two --eval-data sets (shared by the summary and `tlm eval` tests)."""
     out = tmp_path_factory.mktemp("converted") / "tlm"
-    result = _run([source, "-o", out, *FAST, "--eval-data", DATA, "--eval-tokens", "512"])
+    result = _run([source, "-o", out, *FAST, "--eval-data", DATA, "--eval-data", "default-eval", "--eval-tokens", "512"])
     return result, out
 
 
@@ -296,9 +296,14 @@ def test_successful_conversion_prints_the_summary(converted, source):
     params = re.fullmatch(r"parameters: ([\d,]+) before, ([\d,]+) after \(equal\)", lines[1])
     assert params and params[1] == params[2], lines[1]
     assert re.fullmatch(r"widths: 48 x 4 -> 72 \.\. 24 \(cosine\)", lines[2]), lines[2]
-    ppl = re.fullmatch(r"perplexity: ([\d.]+) before, ([\d.]+) after \(x([\d.]+); no training yet\)", lines[3])
-    assert ppl and all(math.isfinite(float(x)) and float(x) > 0 for x in ppl.groups()), lines[3]
-    assert lines[4].startswith("time: ")
+    ratios = []
+    for line, name in zip(lines[3:5], (re.escape(str(DATA)), r"default-eval \(calibration domain\)")):
+        ppl = re.fullmatch(rf"perplexity on {name}: ([\d.]+) before, ([\d.]+) after \(x([\d.]+)\)", line)
+        assert ppl and all(math.isfinite(float(x)) and float(x) > 0 for x in ppl.groups()), line
+        ratios.append(float(ppl[3]))
+    mean = re.fullmatch(r"perplexity ratio x([\d.]+), geometric mean over the 1 out-of-domain set", lines[5])
+    assert mean and float(mean[1]) == pytest.approx(ratios[0], abs=1e-3), lines[5]  # the one set outside the domain
+    assert lines[6].startswith("time: ")
     assert "error:" not in result.stderr and "Traceback" not in result.output
     assert (out / "config.json").is_file() and (out / "conversion_report.json").is_file()
     assert not list(out.parent.glob(f".{out.name}.tmp-*"))
@@ -314,6 +319,33 @@ def test_tlm_eval_prints_json_with_a_finite_perplexity(converted):
     assert report["tokens"] == 256 and report["seq_len"] == 64 and report["stride"] == 32
     assert report["scored_tokens"] == 255 and report["windows"] == 7
     assert math.isfinite(report["perplexity"]) and report["perplexity"] > 1
+
+
+def test_tlm_eval_reads_plain_text_of_any_suffix_and_several_sets(converted, tmp_path):
+    """`tlm eval --data wiki.test.raw`: a UTF-8 file is text whatever its suffix; repeated --data gives one JSON line
+    per set, in order; --data-format text reads a file as text even under a data-file suffix."""
+    _, out = converted
+    raw, jsonl = tmp_path / "wiki.test.raw", tmp_path / "prose.jsonl"
+    raw.write_bytes(Path(DATA).read_bytes())
+    jsonl.write_bytes(Path(DATA).read_bytes())
+    args = ["--seq-len", "64", "--max-tokens", "256", "--batch-size", "4"]
+    result = _run(["eval", out, "--data", DATA, "--data", raw, *args], command=tlm_main)
+    assert result.exit_code == 0, result.output
+    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["data"] for r in reports] == [str(DATA), str(raw)]
+    assert reports[0]["perplexity"] == reports[1]["perplexity"]  # the same text, read the same way
+    forced = _run(["eval", out, "--data", jsonl, "--data-format", "text", *args], command=tlm_main)
+    assert forced.exit_code == 0, forced.output
+    assert json.loads(forced.stdout)["perplexity"] == reports[0]["perplexity"]
+
+
+def test_tlm_eval_refuses_a_binary_file_in_one_line(converted, tmp_path):
+    _, out = converted
+    blob = tmp_path / "weights.raw"
+    blob.write_bytes(bytes(range(256)) * 64)
+    result = _run(["eval", out, "--data", blob], command=tlm_main)
+    assert result.exit_code == 1 and "Traceback" not in result.output and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "not UTF-8 text" in result.stderr
 
 
 def test_tlm_eval_refuses_a_missing_model(tmp_path):

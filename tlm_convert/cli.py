@@ -187,7 +187,9 @@ def _return_freed_memory() -> None:
               type=click.Choice(MIXER_CHOICES))
 @click.option("--export", "export_format", default="tlm", show_default=True,
               type=click.Choice(FORMATS))
-@click.option("--eval-data", default=None, help="Held-out text for perplexity before/after ('default-eval': bundled).")
+@click.option("--eval-data", multiple=True,
+              help="Held-out text for perplexity before/after: a file, or a bundled set ('default-eval', "
+                   "'eval-fiction', 'eval-code', 'eval-legal'; 'all-eval': all four); repeat for several sets.")
 @click.option("--eval-tokens", type=int, default=16384, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_CHOICES),
@@ -264,8 +266,10 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"widths: {report['widths_before'][0]} x {len(report['widths_before'])} -> "
                f"{report['widths_after'][0]} .. {report['widths_after'][-1]} ({report['schedule']})")
     if "perplexity_before" in report:
-        click.echo(f"perplexity: {report['perplexity_before']:.3f} before, {report['perplexity_after']:.3f} after "
-                   f"(x{report['perplexity_ratio']:.3f}; no training yet)")
+        from .evalsets import perplexity_lines
+
+        for line in perplexity_lines(report):
+            click.echo(f"perplexity {line}")
     seconds = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items())
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
 

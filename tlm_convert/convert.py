@@ -36,6 +36,7 @@ from .export import FORMATS, export_model
 from .importance import METRICS
 from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
+from .evalsets import eval_set_blocks, perplexity_entries
 from .perplexity import perplexity
 from .surgery import GROW_INITS
 from .upcycle import carry_scores, upcycle, upcycled_config
@@ -62,7 +63,7 @@ class ConvertOptions:
     refit_target: str = "residual"
     mixer: str = "attention"
     export: str = "tlm"
-    eval_data: str | None = None
+    eval_data: str | tuple[str, ...] | None = None  # one set or several (data.eval_sources; "all-eval": bundled)
     eval_tokens: int = 16384
     seed: int = 0
     dtype: str = "float32"
@@ -181,7 +182,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         return _convert_streamed(src, out, opts, widths, calib, evalb, settings, report, timer, on_layer, need)
     if evalb is not None:
         with timer("eval"):
-            report["perplexity_before"] = perplexity(model, evalb, opts.batch_size)
+            before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     result = convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY, on_layer, timer)
     with timer("resize"):
         config = model.config
@@ -192,8 +193,8 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         report.update(_param_report(src, final, opts))
     if evalb is not None:
         with timer("eval"):
-            report["perplexity_after"] = perplexity(final, evalb, opts.batch_size)
-            report["perplexity_ratio"] = report["perplexity_after"] / report["perplexity_before"]
+            after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
+            report.update(perplexity_entries(before, after))
     report["importance_profile"] = [float(s.mean()) for s in result.scores]
 
     def write_model(tmp: Path) -> None:
@@ -252,9 +253,7 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
             raise ConversionError(f"internal error: {report['params_after']} parameters written, "
                                   f"{report['params_before']} in the source")
         if evalb is not None:
-            report["perplexity_before"] = layers.perplexity_before
-            report["perplexity_after"] = layers.perplexity_after
-            report["perplexity_ratio"] = layers.perplexity_after / layers.perplexity_before
+            report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after))
         report["importance_profile"] = [float(s.mean()) for s in result.scores]
         report["low_memory"] = True
         report["shards"] = layers.num_shards
@@ -279,10 +278,8 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
 
 
 def eval_blocks(tokenizer, opts):
-    """The evaluation blocks of ``--eval-data`` (None without it)."""
-    if not opts.eval_data:
-        return None
-    return token_blocks(tokenizer, load_text(opts.eval_data), opts.seq_len, opts.eval_tokens, what="evaluation")
+    """{set: evaluation blocks} of ``--eval-data`` (None without it)."""
+    return eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)
 
 
 def _strict_reload(config, state, opts):

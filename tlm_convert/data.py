@@ -1,14 +1,16 @@
 """Calibration and evaluation text -> fixed-length token blocks.
 
-Text comes through `datasets`: a local ``.txt``/``.md`` file, ``.jsonl``/``.json`` or ``.parquet`` (a ``text``
-column), a folder of such files, or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration,
+Text comes through `datasets`: a local plain-text file (``.txt``, ``.md``, or any other suffix whose content is UTF-8
+text, such as ``wiki.test.raw``), ``.jsonl``/``.json`` or ``.parquet`` (a ``text`` column), a folder of such files, or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration,
 e.g. ``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the general-English
 sample bundled with the package (``data/README.md`` gives its sources and licenses); ``"default-eval"`` is the
-disjoint held-out sample used for perplexity.
+disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code`` and ``eval-legal`` are held-out samples
+of other domains than the calibration sample (``EVAL_SETS``; ``"all-eval"`` names all four).
 """
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 from pathlib import Path
@@ -20,14 +22,52 @@ from .errors import ConversionError, one_line
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).parent / "data"
-BUNDLED = {"default": DATA_DIR / "calibration_en.txt", "default-eval": DATA_DIR / "eval_en.txt"}
+BUNDLED = {"default": DATA_DIR / "calibration_en.txt", "default-eval": DATA_DIR / "eval_en.txt",
+           "eval-fiction": DATA_DIR / "eval_fiction.txt", "eval-code": DATA_DIR / "eval_code.txt",
+           "eval-legal": DATA_DIR / "eval_legal.txt"}
+EVAL_SETS = ("default-eval", "eval-fiction", "eval-code", "eval-legal")  # what "all-eval" stands for
+IN_DOMAIN = frozenset({"default-eval"})  # shares the calibration sample's domain (Factbook prose, other countries)
+DATA_FORMATS = ("auto", "text")  # auto: by suffix, and UTF-8 text sniffed for other suffixes; text: always text
+_SNIFF_BYTES = 1 << 16
 _BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def load_text(source: str | Path, max_chars: int | None = None) -> str:
+def eval_sources(data: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """The evaluation sets named by ``data`` (one source or several) in order, ``all-eval`` expanded, no repeats."""
+    names = [data] if isinstance(data, str) else list(data or [])
+    out: list[str] = []
+    for name in names:
+        for one in EVAL_SETS if name == "all-eval" else [name]:
+            if one not in out:
+                out.append(one)
+    return out
+
+
+def is_plain_text(path: Path, data_format: str = "auto") -> bool:
+    """True when the file ``path`` is read as plain text: ``.txt``/``.md``, ``data_format`` "text", or a file of
+    another suffix (not .jsonl/.json/.parquet) whose first 64 KiB decode as UTF-8 with no NUL byte."""
+    if data_format not in DATA_FORMATS:
+        raise ConversionError(f"data format {data_format!r} is unknown; use one of {', '.join(DATA_FORMATS)}")
+    if not path.is_file():
+        return False
+    suffix = path.suffix.lower()
+    if data_format == "text" or suffix in (".txt", ".md"):
+        return True
+    if suffix in _BUILDERS:
+        return False
+    try:
+        with path.open("rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except (OSError, UnicodeDecodeError):
+        return False
+    return b"\0" not in head
+
+
+def load_text(source: str | Path, max_chars: int | None = None, data_format: str = "auto") -> str:
     """All text of a calibration source joined by blank lines (documents stay in order)."""
     path = BUNDLED.get(str(source), Path(source).expanduser())
-    if path.is_file() and path.suffix.lower() in (".txt", ".md"):
+    if is_plain_text(path, data_format):
         try:  # plain text needs no dataset machinery
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
@@ -80,7 +120,8 @@ def dataset_rows(path: Path, source: str):
             raise ConversionError(f"no .txt, .jsonl, .json or .parquet files in '{path}'; pass a text file or folder")
         builders = {_BUILDERS.get(f.suffix.lower()) for f in files}
         if None in builders:
-            raise ConversionError(f"unsupported data file '{path.name}'; use .txt, .md, .jsonl, .json or .parquet")
+            raise ConversionError(f"unsupported data file '{path.name}': not UTF-8 text; use a text file (any suffix), "
+                                  ".jsonl, .json or .parquet")
         if len(builders) > 1:
             raise ConversionError(f"'{path}' mixes data formats ({', '.join(sorted(builders))}); put one kind of "
                                   "file (.txt, .jsonl or .parquet) in the folder")
@@ -144,4 +185,5 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
-__all__ = ["load_text", "token_blocks", "dataset_rows", "BUNDLED"]
+__all__ = ["load_text", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED", "EVAL_SETS",
+           "IN_DOMAIN", "DATA_FORMATS"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .evalsets import perplexity_lines
+
 
 def write_plot(report: dict, path: Path) -> None:
     import matplotlib
@@ -44,8 +46,9 @@ def write_markdown(report: dict, path: Path) -> None:
         f"in blocks of {report['seq_len']}",
     ]
     if "perplexity_before" in report:
-        lines.append(f"- perplexity: {report['perplexity_before']:.3f} before, {report['perplexity_after']:.3f} after "
-                     f"(x{report['perplexity_ratio']:.3f}), no training; quality returns with continued pretraining")
+        lines.append("- perplexity before and after conversion, no training (quality returns with continued "
+                     "pretraining):")
+        lines += [f"  - {line}" for line in perplexity_lines(report)]
     lines += ["", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in report["seconds"].items()]
     lines += ["", f"Peak memory (RSS): {report['peak_rss_mb']:.0f} MB", "",

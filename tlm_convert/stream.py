@@ -288,7 +288,7 @@ class StreamedLayers:
     converted model's hidden states on them are carried along, layer by layer."""
 
     def __init__(self, src: StreamSource, final_config: TLMConfig, widths, dtype: torch.dtype, tmp: Path,
-                 eval_blocks: torch.Tensor | None, batch_size: int, timer):
+                 eval_blocks: dict[str, torch.Tensor] | None, batch_size: int, timer):
         self.src, self.widths, self.dtype, self.tmp, self.timer = src, widths, dtype, tmp, timer
         with torch.device("meta"):  # structure only: configs, rope, norms and the embedding code path
             self.src_model = TLMForCausalLM(src.tlm_config)
@@ -301,10 +301,12 @@ class StreamedLayers:
         self.weight_map: dict[str, str] = {}
         self.total_bytes = self.params_written = 0
         self.eval = None
-        if eval_blocks is not None:
-            batches = [eval_blocks[i : i + batch_size] for i in range(0, len(eval_blocks), batch_size)]
-            self.eval = {"batches": batches, "positions": [torch.arange(b.shape[1]).expand(b.shape[0], -1)
-                                                           for b in batches]}
+        if eval_blocks is not None:  # the batches of every set in turn, each tagged with its set's name
+            tagged = [(name, blocks[i : i + batch_size]) for name, blocks in eval_blocks.items()
+                      for i in range(0, len(blocks), batch_size)]
+            batches = [b for _, b in tagged]
+            self.eval = {"batches": batches, "sets": [name for name, _ in tagged],
+                         "positions": [torch.arange(b.shape[1]).expand(b.shape[0], -1) for b in batches]}
         self.perplexity_before = self.perplexity_after = None
 
     def embed(self) -> None:
@@ -453,15 +455,16 @@ def _run_layer(base, layer, hidden, positions) -> list[torch.Tensor]:
     return out
 
 
-def _perplexity(base, tensors: dict, head: torch.Tensor, hidden, eval_state) -> float:
-    """perplexity.nll_sum on carried last-layer hidden states."""
+def _perplexity(base, tensors: dict, head: torch.Tensor, hidden, eval_state) -> dict[str, float]:
+    """{set: perplexity}: perplexity.nll_sum on carried last-layer hidden states, summed per evaluation set."""
     norm = {k.removeprefix("model.norm."): v for k, v in tensors.items() if k.startswith("model.norm.")}
     base.norm.load_state_dict(norm, assign=True)
-    total, count = 0.0, 0
-    for h, ids in zip(hidden, eval_state["batches"]):
+    sums: dict[str, list[float]] = {}
+    for h, ids, name in zip(hidden, eval_state["batches"], eval_state["sets"]):
         part, n = nll_sum(lambda x: F.linear(x, head), base.norm(h), ids)
-        total, count = total + part, count + n
-    return math.exp(total / count)
+        total = sums.setdefault(name, [0.0, 0])
+        total[0], total[1] = total[0] + part, total[1] + n
+    return {name: math.exp(total / count) for name, (total, count) in sums.items()}
 
 
 def _trim_heap() -> None:

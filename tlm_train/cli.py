@@ -25,18 +25,23 @@ tlm_main.add_command(convert_main, "convert")  # the very command of tlm-convert
 
 @tlm_main.command("eval", cls=OneLineCommand)
 @click.argument("model_path")
-@click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
+@click.option("--data", required=True, multiple=True,
+              help="Text file/folder, a bundled set ('default-eval', 'eval-fiction', 'eval-code', 'eval-legal') or "
+                   "'all-eval'; repeat the option for several sets (one JSON line each).")
+@click.option("--data-format", type=click.Choice(["auto", "text"]), default="auto", show_default=True,
+              help="auto: .jsonl/.json/.parquet by suffix, any other UTF-8 file as text; text: read as plain text.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")
 @click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
 @click.option("--max-tokens", type=int, default=16384, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
-def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size, trust_remote_code):
-    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as JSON."""
+def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, batch_size, trust_remote_code):
+    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as one JSON line per
+    evaluation set."""
     try:
         import torch
 
-        from tlm_convert.data import load_text
+        from tlm_convert.data import eval_sources, load_text
         from tlm_convert.load import load_model
 
         from .evaluate import strided_perplexity
@@ -47,16 +52,22 @@ def eval_command(model_path, data, seq_len, stride, max_tokens, batch_size, trus
         if seq_len < 2 or stride > seq_len:
             raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
                                   "stride <= seq-len")
+        sets = eval_sources(data)
+        texts = {name: load_text(name, data_format=data_format) for name in sets}  # bad data fails before the load
         model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
-        ids = torch.tensor(tokenizer(load_text(data), add_special_tokens=False)["input_ids"][:max_tokens])
-        if len(ids) < 2:
-            raise ConversionError(f"evaluation data has {len(ids)} tokens; pass more text")
-        result = strided_perplexity(model, ids, seq_len, stride, batch_size)
+        lines = []
+        for name, text in texts.items():
+            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens])
+            if len(ids) < 2:
+                raise ConversionError(f"evaluation data {name!r} has {len(ids)} tokens; pass more text")
+            result = strided_perplexity(model, ids, seq_len, stride, batch_size)
+            lines.append({"model": model_path, "data": name, "tokens": int(len(ids)), "seq_len": seq_len,
+                          "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
+                          "nll": result.nll, "perplexity": result.perplexity})
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
-    click.echo(json.dumps({"model": model_path, "data": data, "tokens": int(len(ids)), "seq_len": seq_len,
-                           "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
-                           "nll": result.nll, "perplexity": result.perplexity}))
+    for line in lines:
+        click.echo(json.dumps(line))
 
 
 @tlm_main.command("analyze", cls=OneLineCommand)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.data import BUNDLED, load_text
+from tlm_convert.data import BUNDLED, is_plain_text, load_text
 
 from .shards import GroupWriter, TokenBlocks, TokenShards, open_shards, token_dtype, write_shards
 
@@ -144,7 +144,7 @@ def _documents(source: str):
     from tlm_convert.data import dataset_rows
 
     path = BUNDLED.get(source, Path(source).expanduser())
-    if path.is_file() and path.suffix.lower() in (".txt", ".md"):
+    if is_plain_text(path):
         text = load_text(source)
         start = 0
         while start < len(text):

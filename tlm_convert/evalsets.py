@@ -1,0 +1,52 @@
+"""Several evaluation sets in one conversion: their blocks, and the report's perplexity before/after per set.
+
+``--eval-data`` names one or more sets (tlm_convert.data.eval_sources). The report keeps, per set, the perplexity
+before and after conversion and their ratio, whether the set shares the calibration sample's domain
+(``data.IN_DOMAIN``), and the geometric mean of the ratios over the out-of-domain sets: the figure that says how the
+conversion holds up on text the calibration never saw. ``perplexity_before/after/ratio`` are those of the first set.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .data import IN_DOMAIN, eval_sources, load_text, token_blocks
+
+
+def eval_set_blocks(tokenizer, data, seq_len: int, max_tokens: int) -> dict[str, torch.Tensor] | None:
+    """{set name: (n, seq_len) blocks, at most ``max_tokens`` tokens each} of ``data`` (None when it names none)."""
+    names = eval_sources(data)
+    if not names:
+        return None
+    return {name: token_blocks(tokenizer, load_text(name), seq_len, max_tokens, what=f"evaluation ({name})")
+            for name in names}
+
+
+def perplexity_entries(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The report's perplexity keys from {set: perplexity} before and after conversion."""
+    sets = [{"data": name, "before": before[name], "after": after[name], "ratio": after[name] / before[name],
+             "in_domain": name in IN_DOMAIN} for name in before]
+    first = sets[0]
+    out = {"perplexity_before": first["before"], "perplexity_after": first["after"],
+           "perplexity_ratio": first["ratio"], "perplexity_sets": sets}
+    ood = [s["ratio"] for s in sets if not s["in_domain"]]
+    if ood:
+        out["perplexity_ratio_ood_geomean"] = math.exp(sum(math.log(r) for r in ood) / len(ood))
+    return out
+
+
+def perplexity_lines(report: dict) -> list[str]:
+    """One line per evaluation set and one for the out-of-domain geometric mean (CLI summary and report.md)."""
+    sets = report.get("perplexity_sets") or []
+    lines = [f"on {s['data']}{' (calibration domain)' if s['in_domain'] else ''}: {s['before']:.3f} before, "
+             f"{s['after']:.3f} after (x{s['ratio']:.3f})" for s in sets]
+    if "perplexity_ratio_ood_geomean" in report:
+        n = sum(not s["in_domain"] for s in sets)
+        lines.append(f"ratio x{report['perplexity_ratio_ood_geomean']:.3f}, geometric mean over the {n} "
+                     f"out-of-domain set{'s' if n > 1 else ''}")
+    return lines
+
+
+__all__ = ["eval_set_blocks", "perplexity_entries", "perplexity_lines"]
