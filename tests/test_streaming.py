@@ -64,7 +64,7 @@ def _leftovers(parent, name):
 POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096),
             "summed": replace(LOW_MEMORY, block_bytes=4096, keep_activations_bytes=0)}
 CASES = [
-    ("llama", dict(eval_data=str(DATA), eval_tokens=192)),
+    ("llama", dict(eval_data=(str(DATA), "eval-code"), eval_tokens=192)),  # two evaluation sets
     ("gpt2", dict(refit_target="residual")),
     ("llama", dict(refit_target="local")),
     ("llama", dict(importance="obs", refit_target="residual")),
@@ -105,8 +105,12 @@ def test_policies_write_the_same_tensors(policy, family, extra, sources, in_memo
         assert (tmp_path / "low" / name).is_file(), name
     assert (tmp_path / "low" / "widths.png").stat().st_size > 1000
     if "eval_data" in extra:
-        for key in ("perplexity_before", "perplexity_after"):
-            assert low[key] == pytest.approx(full[key], rel=1e-5)
+        assert [s["data"] for s in low["perplexity_sets"]] == [str(DATA), "eval-code"]
+        for mine, theirs in zip(low["perplexity_sets"], full["perplexity_sets"]):  # the sets' sums kept apart
+            for key in ("before", "after"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5)
+        assert low["perplexity_sets"][0]["before"] != pytest.approx(low["perplexity_sets"][1]["before"], rel=1e-3)
+        assert low["perplexity_ratio_ood_geomean"] == pytest.approx(full["perplexity_ratio_ood_geomean"], rel=1e-5)
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "low", trust_remote_code=True).eval()
         assert model.config.intermediate_sizes == [72, 60, 36, 24]
         assert sum(p.numel() for p in model.parameters()) == low["params_before"]
