@@ -5,12 +5,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_sources import DATA, FAMILIES, WIDTH, make_source, source_logits, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import tlm
 from tlm_convert.calibrate import calibrate_and_plan
 from tlm_convert.checkpoint import load_source
+from tlm_convert import convert as convert_module
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
@@ -51,6 +53,30 @@ def test_uniform_conversion_is_exact(family, tmp_path, tokenizer, ids):
     assert report["widths_after"] == report["widths_before"] == [WIDTH] * 4
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (_logits(out, ids) - source_logits(src, ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_uniform_import_skips_calibration_and_writes_the_same_tensors(low_memory, tmp_path, tokenizer, ids,
+                                                                      monkeypatch):
+    """Nothing resized, no scores needed: no calibration token runs (the calibration data is not even read), and
+    the output equals the one the full layer loop writes (forced by making the mixer one that needs scores), which
+    equals the source's logits."""
+    src = make_source(tmp_path / "src", "llama", tokenizer=tokenizer)
+    opts = {**OPTS, "schedule": "uniform", "low_memory": low_memory}
+    fast = convert(str(src), str(tmp_path / "fast"), ConvertOptions(**{**opts, "calibration_data": "missing.txt"}))
+    monkeypatch.setattr(convert_module, "SCORED_MIXERS", ("attention",))
+    full = convert(str(src), str(tmp_path / "full"), ConvertOptions(**opts))
+    assert fast["calibration_tokens"] == 0 and fast["importance_profile"] is None
+    assert full["calibration_tokens"] == 1024 and len(full["importance_profile"]) == 4
+    assert "- calibration: none (an exact import" in (tmp_path / "fast" / "report.md").read_text()
+    a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "full")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "fast").eval()
+    assert (_logits(out, ids) - source_logits(src, ids)).abs().max() <= 1e-4
+
+
+def _tensors(folder):
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -139,14 +139,25 @@ class LayerSettings:
     seed: int = 0
     noise_scale: float = NOISE_SCALE
     damp: float = DAMP
+    scores_needed: bool = True  # the caller uses the neuron scores even where nothing is resized (hope_attention)
 
 
 @dataclass
 class CalibrationResult:
     plans: list[LayerPlan]
-    scores: list[torch.Tensor]  # per layer, source neurons
+    scores: list[torch.Tensor | None]  # per layer, source neurons (None: not calibrated)
     tokens: int
     hidden: list[torch.Tensor]  # the converted model's last-layer output per batch (before the final norm)
+
+    def importance_profile(self) -> list[float] | None:
+        """The mean neuron score per layer (None when no calibration ran)."""
+        return None if self.tokens == 0 else [float(s.mean()) for s in self.scores]
+
+
+def calibration_needed(source_widths: list[int], widths: list[int], settings: LayerSettings) -> bool:
+    """Whether the layer loop runs calibration tokens: some layer is resized, or the caller needs neuron scores.
+    Otherwise the conversion is an exact import and every layer passes through unchanged."""
+    return settings.scores_needed or list(widths) != list(source_widths)
 
 
 @torch.no_grad()
@@ -173,13 +184,16 @@ def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importanc
 
 
 @torch.no_grad()
-def convert_layers(base, layers: Layers, blocks: torch.Tensor, widths: list[int], settings: LayerSettings,
+def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: list[int], settings: LayerSettings,
                    policy: MemoryPolicy = IN_MEMORY, progress=None, timer=None) -> CalibrationResult:
     """The layer loop every conversion runs: ``base`` (a TLMModel whose embeddings, rotary tables and masks are
     usable; its layers are not touched) embeds the calibration blocks (n, S); then per layer i, ``layers.layer(i)``
     is calibrated, planned, refitted and resized to ``widths[i]``, handed to ``layers.done`` and its output carried
-    on. Arguments as :func:`calibrate_and_plan`."""
+    on. Arguments as :func:`calibrate_and_plan`. When :func:`calibration_needed` says no, no token runs (``blocks``
+    may be None): every layer is handed on unchanged, with no scores."""
     timer = timer or _no_timer
+    if not calibration_needed(base.config.intermediate_sizes, widths, settings):
+        return _pass_through(base, layers, progress)
     residual = settings.refit and settings.refit_target == "residual" and not base.config.sandwich_norm
     device = base.embed_tokens.weight.device
     bs = settings.batch_size
@@ -212,6 +226,20 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor, widths: list[int]
         if progress is not None:
             progress(i)
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
+
+
+def _pass_through(base, layers: Layers, progress) -> CalibrationResult:
+    """The loop of an exact import: each layer, unchanged (the identity plan), straight to ``layers.done``."""
+    layers.embedded()
+    plans = []
+    for i, width in enumerate(base.config.intermediate_sizes):
+        layer = layers.layer(i)
+        plans.append(LayerPlan(keep=list(range(width))))
+        layers.done(i, layer, plans[-1], None)
+        del layer
+        if progress is not None:
+            progress(i)
+    return CalibrationResult(plans=plans, scores=[None] * len(plans), tokens=0, hidden=[])
 
 
 class _LayerStep:

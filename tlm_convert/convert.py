@@ -28,18 +28,18 @@ import torch
 
 from tlm import MIXERS, parse_ratio, taper_widths
 
-from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, convert_layers
+from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers
 from .checkpoint import load_source
 from .data import load_text, token_blocks
 from .errors import ConversionError
+from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
 from .importance import METRICS
 from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
-from .evalsets import eval_set_blocks, perplexity_entries
 from .perplexity import perplexity
 from .surgery import GROW_INITS
-from .upcycle import carry_scores, upcycle, upcycled_config
+from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +169,18 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         model = None if opts.low_memory else materialize(src.tlm_config, src.state_dict).to(opts.device).eval()
         if model is not None:
             src.state_dict = {}  # the model holds these tensors now
-        calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
+        settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
+                                 refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed,
+                                 scores_needed=opts.mixer in SCORED_MIXERS)
+        calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
+        if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
+            calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = eval_blocks(tokenizer, opts)
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     report = report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes) + notes
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
-    settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
-                             refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
     if model is None:
         return _convert_streamed(src, out, opts, widths, calib, evalb, settings, report, timer, on_layer, need)
     if evalb is not None:
@@ -195,7 +198,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         with timer("eval"):
             after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
             report.update(perplexity_entries(before, after))
-    report["importance_profile"] = [float(s.mean()) for s in result.scores]
+    report["importance_profile"] = result.importance_profile()
 
     def write_model(tmp: Path) -> None:
         with timer("save"):
@@ -254,7 +257,7 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
                                   f"{report['params_before']} in the source")
         if evalb is not None:
             report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after))
-        report["importance_profile"] = [float(s.mean()) for s in result.scores]
+        report["importance_profile"] = result.importance_profile()
         report["low_memory"] = True
         report["shards"] = layers.num_shards
 
@@ -301,7 +304,8 @@ def report_head(src, opts, widths, calib) -> dict:
             "widths_before": list(src.tlm_config.intermediate_sizes), "widths_after": list(widths),
             "importance": opts.importance, "grow_init": opts.grow_init, "refit": opts.refit, "mixer": opts.mixer,
             "export": opts.export, "calibration_data": opts.calibration_data,
-            "calibration_tokens": int(calib.numel()), "seq_len": opts.seq_len, "seed": opts.seed,
+            "calibration_tokens": 0 if calib is None else int(calib.numel()), "seq_len": opts.seq_len,
+            "seed": opts.seed,
             "options": asdict(opts)}
 
 

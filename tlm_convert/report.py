@@ -43,7 +43,8 @@ def write_markdown(report: dict, path: Path) -> None:
         f"mixer {report['mixer']}, export {report['export']}",
         f"- parameters: {report['params_before']:,} before, {report['params_after']:,} after",
         f"- calibration: {report['calibration_tokens']:,} tokens of `{report['calibration_data']}` "
-        f"in blocks of {report['seq_len']}",
+        f"in blocks of {report['seq_len']}" if report["calibration_tokens"] else
+        "- calibration: none (an exact import: no layer resized, no neuron scores needed)",
     ]
     if "perplexity_before" in report:
         lines.append("- perplexity before and after conversion, no training (quality returns with continued "

@@ -76,9 +76,15 @@ def upcycle_layer(state: dict, i: int, mixer: str, new_config: TLMConfig, scores
     return out
 
 
-def carry_scores(score: torch.Tensor, keep: list[int], grow: int = 0) -> torch.Tensor:
+SCORED_MIXERS = ("hope_attention",)  # upcycling that orders the MLP's neurons by their scores (_split_mlp)
+
+
+def carry_scores(score: torch.Tensor | None, keep: list[int], grow: int = 0) -> torch.Tensor | None:
     """Source-width neuron scores -> the resized layer's (kept neurons in `keep` order, then `grow` new ones at
-    -inf: a resized MLP holds the kept source neurons first and appends the grown ones)."""
+    -inf: a resized MLP holds the kept source neurons first and appends the grown ones). None (no calibration ran):
+    None."""
+    if score is None:
+        return None
     kept = score.float()[torch.as_tensor(keep, dtype=torch.long)]
     return torch.cat([kept, kept.new_full((grow,), -float("inf"))])
 
@@ -99,4 +105,4 @@ def _split_mlp(sd, prefix, config, width, scores) -> dict:
     return new
 
 
-__all__ = ["upcycle", "upcycled_config", "upcycle_layer", "carry_scores"]
+__all__ = ["upcycle", "upcycled_config", "upcycle_layer", "carry_scores", "SCORED_MIXERS"]
