@@ -52,3 +52,8 @@ def test_geometric_mean_is_over_the_out_of_domain_sets_only():
     assert lines[-1] == "ratio x4.000, geometric mean over the 2 out-of-domain sets"
     only_in_domain = perplexity_entries({"default-eval": 1.0}, {"default-eval": 2.0})
     assert "perplexity_ratio_ood_geomean" not in only_in_domain and len(perplexity_lines(only_in_domain)) == 1
+    own = perplexity_entries(before, after, calibration_data="my_corpus.txt")  # default-eval is out of its domain
+    assert not any(s["in_domain"] for s in own["perplexity_sets"])
+    assert own["perplexity_ratio_ood_geomean"] == pytest.approx((3.0 * 2.0 * 8.0) ** (1 / 3))
+    itself = perplexity_entries(before, after, calibration_data="eval-code")  # calibrated on the set it measures
+    assert [s["in_domain"] for s in itself["perplexity_sets"]] == [False, False, True]

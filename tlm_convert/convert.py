@@ -197,7 +197,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
     if evalb is not None:
         with timer("eval"):
             after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
-            report.update(perplexity_entries(before, after))
+            report.update(perplexity_entries(before, after, opts.calibration_data))
     report["importance_profile"] = result.importance_profile()
 
     def write_model(tmp: Path) -> None:
@@ -256,7 +256,8 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
             raise ConversionError(f"internal error: {report['params_after']} parameters written, "
                                   f"{report['params_before']} in the source")
         if evalb is not None:
-            report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after))
+            report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after,
+                                              opts.calibration_data))
         report["importance_profile"] = result.importance_profile()
         report["low_memory"] = True
         report["shards"] = layers.num_shards

@@ -1,9 +1,10 @@
 """Several evaluation sets in one conversion: their blocks, and the report's perplexity before/after per set.
 
 ``--eval-data`` names one or more sets (tlm_convert.data.eval_sources). The report keeps, per set, the perplexity
-before and after conversion and their ratio, whether the set shares the calibration sample's domain
-(``data.IN_DOMAIN``), and the geometric mean of the ratios over the out-of-domain sets: the figure that says how the
-conversion holds up on text the calibration never saw. ``perplexity_before/after/ratio`` are those of the first set.
+before and after conversion and their ratio, whether the set shares the calibration sample's domain (it is the
+calibration source itself, or in ``data.IN_DOMAIN`` with the bundled calibration sample), and the geometric mean of
+the ratios over the out-of-domain sets: the figure that says how the conversion holds up on text the calibration
+never saw. ``perplexity_before/after/ratio`` are those of the first set.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ def eval_set_blocks(tokenizer, data, seq_len: int, max_tokens: int) -> dict[str,
             for name in names}
 
 
-def perplexity_entries(before: dict[str, float], after: dict[str, float]) -> dict:
-    """The report's perplexity keys from {set: perplexity} before and after conversion."""
+def perplexity_entries(before: dict[str, float], after: dict[str, float], calibration_data: str = "default") -> dict:
+    """The report's perplexity keys from {set: perplexity} before and after conversion; a set is in the calibration
+    domain when it is the calibration source itself, or a bundled in-domain set with the bundled calibration."""
+    def in_domain(name: str) -> bool:
+        return name == calibration_data or (calibration_data == "default" and name in IN_DOMAIN)
+
     sets = [{"data": name, "before": before[name], "after": after[name], "ratio": after[name] / before[name],
-             "in_domain": name in IN_DOMAIN} for name in before]
+             "in_domain": in_domain(name)} for name in before]
     first = sets[0]
     out = {"perplexity_before": first["before"], "perplexity_after": first["after"],
            "perplexity_ratio": first["ratio"], "perplexity_sets": sets}
