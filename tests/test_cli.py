@@ -93,7 +93,8 @@ def copy_of(source, tmp_path):
 def converted(source, tmp_path_factory):
     """One successful CLI conversion with two --eval-data sets (shared by the summary and `tlm eval` tests)."""
     out = tmp_path_factory.mktemp("converted") / "tlm"
-    result = _run([source, "-o", out, *FAST, "--eval-data", DATA, "--eval-data", "default-eval", "--eval-tokens", "512"])
+    result = _run([source, "-o", out, *FAST, "--eval-data", DATA, "--eval-data", "default-eval",
+                   "--eval-tokens", "512"])
     return result, out
 
 

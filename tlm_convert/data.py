@@ -1,8 +1,9 @@
 """Calibration and evaluation text -> fixed-length token blocks.
 
 Text comes through `datasets`: a local plain-text file (``.txt``, ``.md``, or any other suffix whose content is UTF-8
-text, such as ``wiki.test.raw``), ``.jsonl``/``.json`` or ``.parquet`` (a ``text`` column), a folder of such files, or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration,
-e.g. ``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the general-English
+text, such as ``wiki.test.raw``), ``.jsonl``/``.json`` or ``.parquet`` (a ``text`` column), a folder of such files,
+or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration, e.g.
+``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the general-English
 sample bundled with the package (``data/README.md`` gives its sources and licenses); ``"default-eval"`` is the
 disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code`` and ``eval-legal`` are held-out samples
 of other domains than the calibration sample (``EVAL_SETS``; ``"all-eval"`` names all four).
