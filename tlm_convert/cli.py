@@ -163,7 +163,7 @@ def _return_freed_memory() -> None:
 
 
 @click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data default-eval")
+               epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data all-eval")
 @click.argument("input_model")
 @click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
 @click.option("--schedule", default="cosine", show_default=True,
