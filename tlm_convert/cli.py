@@ -19,6 +19,7 @@ from .convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions
 from .errors import ConversionError, one_line
 from .export import FORMATS
 from .importance import METRICS
+from .outputs import temp_prefix
 from .surgery import GROW_INITS
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
@@ -127,7 +128,7 @@ class _OutputGuard:
 
     def _temps(self) -> set[Path]:
         try:
-            return set(self.parent.glob(glob.escape(f".{self.out.name}.tmp-") + "*"))
+            return set(self.parent.glob(glob.escape(temp_prefix(self.out)) + "*"))
         except OSError:
             return set()
 
