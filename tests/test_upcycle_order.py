@@ -51,3 +51,15 @@ def test_level_widths_honour_multiple_of():
     assert model.model.layers[2].mlp.widths == [384, 384, 416]
     for layer, width in zip(model.model.layers, config.intermediate_sizes):
         assert sum(layer.mlp.widths) == width and all(w % 16 == 0 for w in layer.mlp.widths)
+
+
+def test_a_layer_too_narrow_for_multiple_of_is_split_exactly():
+    """cosine over 64 with multiple_of 16 gives a 32-wide last layer: three levels of 16 do not fit, so that layer
+    is split without rounding (the wide layer keeps multiples of 16)."""
+    config = tlm.TLMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, schedule="cosine", multiple_of=16, mixer="hope_attention")
+    model = tlm.TLMForCausalLM(config)
+    wide, narrow = (layer.mlp.widths for layer in model.model.layers)
+    assert config.intermediate_sizes == [96, 32]
+    assert all(w % 16 == 0 for w in wide) and sum(wide) == 96
+    assert narrow == [10, 10, 12]

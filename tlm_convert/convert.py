@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import resource
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -36,7 +34,7 @@ from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
 from .importance import METRICS
 from .load import load_tokenizer, materialize
-from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, publish, save_errors
+from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
 from .perplexity import perplexity
 from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
@@ -313,9 +311,7 @@ def report_head(src, opts, widths, calib) -> dict:
 def _write_output(out: Path, report: dict, timer, write_model) -> None:
     """``write_model(tmp)`` into a temporary folder next to ``out``, then the report files, then :func:`publish`;
     on any failure the temporary folder is removed and ``out`` is left as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         write_model(tmp)
         with timer("save"):
             from .report import write_markdown, write_plot
@@ -325,10 +321,6 @@ def _write_output(out: Path, report: dict, timer, write_model) -> None:
             report["peak_rss_mb"] = peak_rss_mb()
             (tmp / "conversion_report.json").write_text(json.dumps(report, indent=2))
             write_markdown(report, tmp / "report.md")
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def peak_rss_mb() -> float:

@@ -114,11 +114,8 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
 
     ``weight_type``: f32 / f16 / bf16 (every format) or q8_0 (gguf only); default f32.
     """
-    import shutil
-    import tempfile
-
     from .checkpoint import load_source
-    from .outputs import OutputLock, check_output_path, publish
+    from .outputs import OutputLock, check_output_path, staged
 
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
     if weight_type is not None and weight_type not in dtypes and not (fmt == "gguf" and weight_type == "q8_0"):
@@ -131,14 +128,8 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
     if fmt != "gguf" and weight_type is not None:
         state = {k: v.to(dtypes[weight_type]) if v.is_floating_point() else v for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
-            publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with OutputLock(out), staged(out) as tmp:
+        export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
     return out
 
 

@@ -298,6 +298,23 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+@contextmanager
+def staged(out: Path):
+    """``with staged(out) as tmp:`` write into ``tmp``, a new temporary folder beside ``out``; on success it is
+    published onto ``out`` (:func:`publish`), on any failure removed and ``out`` left as it was."""
+    import tempfile
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
+    try:
+        yield tmp
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def publish(tmp: Path, out: Path) -> None:
     """Move a finished temporary folder onto ``out``, replacing it atomically, with the usual permissions.
 
