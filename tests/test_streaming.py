@@ -60,9 +60,8 @@ def _leftovers(parent, name):
 
 
 # the low-memory policy as it runs, and with its limits forced down to the tiny layers: Gram matrix, AᵀY and the
-# refit's right-hand side in row blocks ("blocks"), activations summed during the pass instead of kept ("summed")
-POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096),
-            "summed": replace(LOW_MEMORY, block_bytes=4096, keep_activations_bytes=0)}
+# refit's right-hand side in blocks ("blocks")
+POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096)}
 CASES = [
     ("llama", dict(eval_data=(str(DATA), "eval-code"), eval_tokens=192)),  # two evaluation sets
     ("gpt2", dict(refit_target="residual")),
@@ -248,3 +247,5 @@ def test_blocked_gram_matches_activation_stats():
     for name in ("sum", "sumsq", "seq_abs_sq", "gram"):
         torch.testing.assert_close(getattr(blocked, name), getattr(whole, name), rtol=1e-6, atol=1e-5)
     assert blocked.tokens == whole.tokens == 33
+    flat = a.flatten(0, 1).double()
+    torch.testing.assert_close(whole.gram, flat.T @ flat, rtol=1e-6, atol=1e-5)  # the triangle of blocks, mirrored

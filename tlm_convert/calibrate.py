@@ -13,11 +13,9 @@ Per layer l, after z = mix(h) for every batch:
 
 * a growing layer (``noise`` / ``zero`` growth, whose plan needs no statistics) is resized first and run once,
   its activation hook recording the source neurons' statistics (the importance profile);
-* a shrinking layer runs its MLP only up to the down projection (the hook records the activations and stops the
-  forward), keeps its top-scored neurons, refits the down projection by least squares on the kept neurons'
-  activations (their Gram matrix only: |K|² instead of I²), and forms h = z + D′ a_K from the recorded
-  activations. When the policy does not keep activations of that size, the hook sums the Gram matrix AᵀA (and the
-  residual target's AᵀY) batch by batch instead, the refit takes G_KK from it, and the resized MLP runs again;
+* a shrinking layer runs its MLP only up to the down projection (the hook sums the activations' statistics, their
+  Gram matrix AᵀA and, for the residual target, AᵀY, and stops the forward), keeps its top-scored neurons (or
+  those OBS keeps), refits the down projection by least squares from G_KK, and runs the resized MLP again;
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
@@ -51,9 +49,6 @@ class MemoryPolicy:
     """Which temporaries the layer loop may form whole. The arithmetic is the same under every policy up to the
     order of fp32 summation, and exactly the same while a layer fits the limits.
 
-    keep_activations_bytes: a shrinking layer keeps its first pass's activations (for the refit's system and the
-        resized layer's output) up to this size; above it they are summed into AᵀA (and AᵀY) during the pass and the
-        resized MLP runs again. None: always kept.
     block_bytes: the largest temporary of the Gram matrix's updates and of the refit's right-hand side (row blocks),
         and of the refit's solve: a K × K system larger than this is factored in its own storage. None: no limit.
     obs_budget_bytes: ``importance="obs"`` holds about five dense I × I fp64 matrices per layer (the Gram matrix,
@@ -61,12 +56,8 @@ class MemoryPolicy:
     """
 
     name: str
-    keep_activations_bytes: int | None = None
     block_bytes: int | None = None
     obs_budget_bytes: int | None = None
-
-    def keeps(self, nbytes: int) -> bool:
-        return self.keep_activations_bytes is None or nbytes <= self.keep_activations_bytes
 
     def solve_in_place(self, kept: int) -> bool:
         """Whether the refit factors its (kept x kept) fp64 system in place (compensate.refit_kept)."""
@@ -94,8 +85,7 @@ class MemoryPolicy:
 
 
 IN_MEMORY = MemoryPolicy("in_memory")
-LOW_MEMORY = MemoryPolicy("low_memory", keep_activations_bytes=256 << 20, block_bytes=64 << 20,
-                          obs_budget_bytes=2 << 30)
+LOW_MEMORY = MemoryPolicy("low_memory", block_bytes=64 << 20, obs_budget_bytes=2 << 30)
 
 
 class Layers(Protocol):
@@ -208,11 +198,12 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
         layer = layers.layer(i)
         width, source_width = widths[i], layer.mlp.down_proj.in_features
         with timer("calibrate"):
-            if residual and width < source_width and source_hidden is None:
-                source_hidden = list(hidden)
+            first = residual and width < source_width and source_hidden is None
             mixed = step.mix(layer, hidden)
-            if source_hidden is not None:  # the source layer (not yet resized) on the source stream
-                source_hidden = [layer.feed_forward(z) for z in step.mix(layer, source_hidden)]
+            if first:  # the source stream starts here: mix(h) is already there
+                source_hidden = [layer.feed_forward(z) for z in mixed]
+            elif source_hidden is not None:  # the source layer (not yet resized) on the source stream
+                step.source_layer(layer, source_hidden)
         if width < source_width:
             plan, score, hidden = step.shrink(i, layer, mixed, width, source_hidden)
         elif width > source_width and settings.grow_init != "split":
@@ -259,6 +250,11 @@ class _LayerStep:
             hidden[b] = None
         return out
 
+    def source_layer(self, layer, source_hidden: list) -> None:
+        """The source stream through the (not yet resized) layer, in place, batch by batch."""
+        for b, p in enumerate(self.positions):
+            source_hidden[b] = layer.feed_forward(_mix(self.base, layer, source_hidden[b], p))
+
     def scores(self, i, layer, stats, width=None) -> torch.Tensor:
         with self.timer("rank"):
             return neuron_scores(self.importance, stats, _weights(layer.mlp, width), seed=self.seed + i)
@@ -288,55 +284,8 @@ class _LayerStep:
         return plan, score, hidden
 
     def shrink(self, i, layer, mixed, width, source_hidden):
-        down = layer.mlp.down_proj
-        tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
-        if not self.policy.keeps(tokens * down.in_features * 4):
-            return self.shrink_summed(i, layer, mixed, width, source_hidden)
-        obs = self.importance == "obs"
-        rows = self.policy.rows(12 * down.in_features)
-        with self.timer("calibrate"):
-            with activation_stats(down, gram=obs and source_hidden is None, keep=True, stop=True,
-                                  block_rows=rows) as stats:
-                for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
-                    try:
-                        layer.feed_forward(z)
-                    except StopForward:
-                        pass
-        score = self.scores(i, layer, stats)
-        if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
-            start = down.weight
-            if source_hidden is not None:
-                with self.timer("calibrate"):
-                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows)
-                with self.timer("rank"):
-                    start = refit_kept(stats.gram, rhs, damp=self.damp)
-            with self.timer("rank"):
-                keep, new_down = obs_prune(stats.gram, start, width, damp=self.damp)
-            plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
-        else:
-            plan = plan_from_scores([score], [width])[0]
-            if self.refit:
-                with self.timer("calibrate"):
-                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
-                in_place = self.policy.solve_in_place(width)
-                if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
-                    rhs = rhs.T.contiguous().T
-                with self.timer("rank"):
-                    plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True,
-                                                    in_place=in_place).to(down.weight.dtype)
-                del gram, rhs
-        stats.gram = None
-        with self.timer("resize"):
-            self.resize(i, layer, plan)
-            hidden = []
-            for b in range(len(mixed)):  # z + D′ a_K from the recorded activations; frees both per batch
-                hidden.append(_feed_forward_reusing(layer, mixed[b], stats.kept[b], plan))
-                mixed[b] = stats.kept[b] = None
-        return plan, score, hidden
-
-    def shrink_summed(self, i, layer, mixed, width, source_hidden):
-        """``shrink`` for activations too large to keep: AᵀA (and AᵀY) are summed batch by batch during the
-        statistics pass, the refit takes G_KK out of AᵀA in place, and the resized MLP runs again."""
+        """AᵀA (and the residual target's AᵀY) summed batch by batch while the MLP runs up to its down projection,
+        the plan and refit from them (G_KK taken out of AᵀA in place), then the resized MLP runs again."""
         down = layer.mlp.down_proj
         obs = self.importance == "obs"
         solve = obs or self.refit
@@ -406,53 +355,6 @@ def _weights(mlp, width=None) -> dict:
     out = {n: getattr(mlp, n).weight[:width] for n in ("gate_proj", "up_proj") if hasattr(mlp, n)}
     out["down_proj"] = mlp.down_proj.weight[:, :width]
     return out
-
-
-def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
-    all neurons, no copy of the activations).
-
-    Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
-    the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
-    rows), accumulated in fp64."""
-    idx = None if keep is None else torch.as_tensor(keep, dtype=torch.long, device=down.weight.device)
-    gram = rhs = None
-    for b, a in enumerate(acts):
-        a = a.flatten(0, 1).float()  # (N_b, I)
-        a_k = a if idx is None else a.index_select(1, idx)  # (N_b, K)
-        if source_hidden is None:
-            target = F.linear(a, down.weight.float())  # (N_b, d)
-        else:
-            target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
-            if down.bias is not None:
-                target = target - down.bias.float()
-        if gram is None:
-            gram = torch.zeros(a_k.shape[1], a_k.shape[1], dtype=torch.float64, device=a.device)
-            rhs = torch.zeros(a_k.shape[1], target.shape[1], dtype=torch.float64, device=a.device)
-        add_gram(gram, a_k, rows)
-        rhs += (a_k.T @ target).double()
-    return gram, rhs
-
-
-def _feed_forward_reusing(layer, z, a, plan):
-    """feed_forward(z) after resizing, reusing the first pass's activations a (B, S, I_source): kept neurons are
-    sliced from a, only new neurons are computed. Equals ``layer.feed_forward(z)`` with the new weights."""
-    mlp = layer.mlp
-    a = a[..., plan.keep]
-    if plan.grow:
-        x = layer.post_attention_layernorm(z)
-        new = slice(len(plan.keep), plan.width)
-        up = F.linear(x, mlp.up_proj.weight[new], None if mlp.up_proj.bias is None else mlp.up_proj.bias[new])
-        if hasattr(mlp, "gate_proj"):
-            gate = mlp.gate_proj
-            extra = mlp.act_fn(F.linear(x, gate.weight[new], None if gate.bias is None else gate.bias[new])) * up
-        else:
-            extra = mlp.act_fn(up)
-        a = torch.cat([a, extra], dim=-1)
-    y = mlp.down_proj(a)
-    if layer.sandwich:
-        y = layer.post_feedforward_layernorm(y)
-    return z + y
 
 
 def _mix(base, layer, h, positions):
