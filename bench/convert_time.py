@@ -8,8 +8,9 @@ Side by side in one process, so that a slow phase of a shared machine hits both 
        resize, save), into a temporary folder
     A  again
 
-and the ratio B / mean(A), for the total and for the calibrate + rank + resize phases alone. Run it from the
-repository root:
+and the ratio B / mean(A), for the total and for the calibrate + rank + resize phases alone, in wall seconds and in
+the process's CPU seconds (user + sys of all its threads: on a shared machine the steadier of the two). Run it from
+the repository root:
 
     OMP_NUM_THREADS=1 python bench/convert_time.py --threads 1 --out bench/results/convert_time.json
     python bench/convert_time.py --set refit_target=local   # any ConvertOptions field
@@ -37,15 +38,15 @@ from tlm_convert.data import load_text, token_blocks  # noqa: E402
 from tlm_convert.load import load_model  # noqa: E402
 
 
-def plain_forward_seconds(source: str, opts: ConvertOptions) -> float:
-    """Seconds of the plain forward passes over the calibration blocks ``convert`` would use."""
+def plain_forward_seconds(source: str, opts: ConvertOptions) -> tuple[float, float]:
+    """(wall, CPU) seconds of the plain forward passes over the calibration blocks ``convert`` would use."""
     model, tokenizer, _ = load_model(source, opts.device)
     blocks = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i in range(0, len(blocks), opts.batch_size):
             model(blocks[i : i + opts.batch_size], use_cache=False)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _options(pairs: list[str]) -> ConvertOptions:
@@ -74,29 +75,31 @@ def main() -> None:
     source = resolve_builtin(args.source)
 
     forward = [plain_forward_seconds(source, opts)]
-    print(f"plain forward: {forward[0]:.1f} s", flush=True)
+    print(f"plain forward: {forward[0][0]:.1f} s (CPU {forward[0][1]:.1f} s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         report = convert(source, str(Path(tmp) / "out"), opts)
-        wall = time.perf_counter() - start
-    print(f"conversion: {wall:.1f} s", flush=True)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    print(f"conversion: {wall:.1f} s (CPU {cpu:.1f} s)", flush=True)
     forward.append(plain_forward_seconds(source, opts))
-    print(f"plain forward: {forward[1]:.1f} s", flush=True)
+    print(f"plain forward: {forward[1][0]:.1f} s (CPU {forward[1][1]:.1f} s)", flush=True)
 
-    base = statistics.mean(forward)
+    base = statistics.mean(f[0] for f in forward)
     phases = report["seconds"]
     core = phases["calibrate"] + phases["rank"] + phases["resize"]
     result = {
         "machine": platform.machine(), "threads": args.threads, "torch": torch.__version__,
         "options": asdict(opts), "calibration_tokens": report["calibration_tokens"],
-        "plain_forward_seconds": forward, "conversion_wall_seconds": wall, "seconds_per_phase": phases,
+        "plain_forward_seconds": [f[0] for f in forward], "plain_forward_cpu_seconds": [f[1] for f in forward],
+        "conversion_wall_seconds": wall, "conversion_cpu_seconds": cpu, "seconds_per_phase": phases,
         "ratio_total": wall / base, "ratio_calibrate_rank_resize": core / base,
+        "ratio_total_cpu": cpu / statistics.mean(f[1] for f in forward),
         "params_before": report["params_before"], "params_after": report["params_after"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"conversion / plain forward: total {result['ratio_total']:.2f}x, calibrate+rank+resize "
-          f"{result['ratio_calibrate_rank_resize']:.2f}x (forward {forward[0]:.1f} / {forward[1]:.1f} s)")
+    print(f"conversion / plain forward: total {result['ratio_total']:.2f}x (CPU {result['ratio_total_cpu']:.2f}x), "
+          f"calibrate+rank+resize {result['ratio_calibrate_rank_resize']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ Per layer l, after z = mix(h) for every batch:
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
-The cost is one forward pass over the calibration tokens plus the refit's products, and with
-``refit_target="residual"`` the source model's layers from the first shrinking layer on.
+The cost is one forward pass over the calibration tokens, the refit's products, the resized MLPs of the shrinking
+(and split) layers once more, and with ``refit_target="residual"`` the source model's layers from the second
+shrinking layer on (at the first, the source stream is the converted one). Resident beyond the weights: the carried
+hidden states (one stream, two with the residual target) and the per-layer statistics, never the activations.
 """
 
 from __future__ import annotations

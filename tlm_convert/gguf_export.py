@@ -1,4 +1,4 @@
-"""Writing a TLM as a GGUF file that llama.cpp runs as is (``--export gguf``; design: surgery.md §6).
+"""Writing a TLM as a GGUF file that llama.cpp runs as is (``--export gguf``).
 
 ``write_gguf(config, state_dict, path, tokenizer, weight_type)``:
 

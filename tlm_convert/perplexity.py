@@ -13,7 +13,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-LOGIT_CHUNK = 128  # positions whose logits are formed at a time (128 x 49,152 fp32 = 25 MB for SmolLM2)
+LOGIT_CHUNK = 128  # positions whose logits are formed at a time (128 x vocab fp32)
 
 
 @torch.no_grad()
