@@ -302,20 +302,19 @@ class _LayerStep:
                         pass
         score = self.scores(i, layer, stats)
         gram, stats.gram = stats.gram, None
-        target = None if cross is None else cross.total  # (I, d) = AᵀY of the residual target
-        with self.timer("rank"):
+        with self.timer("rank"):  # cross.take(): AᵀY (I, d), held by the solve alone (freed as soon as it is used)
             if obs:
-                start = down.weight if target is None else refit_kept(gram, target, damp=self.damp)
-                target = None
+                start = down.weight if cross is None else refit_kept(gram, cross.take(), damp=self.damp)
                 keep, new_down = obs_prune(gram, start, width, damp=self.damp)
                 plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
             else:
                 plan = plan_from_scores([score], [width])[0]
                 if self.refit:
-                    plan.down_override = refit_down_proj(gram, down.weight, plan.keep, damp=self.damp, cross=target,
-                                                         overwrite=True, block_rows=self.policy.rows(8 * len(gram)),
+                    plan.down_override = refit_down_proj(gram, down.weight, plan.keep, damp=self.damp,
+                                                         cross=None if cross is None else cross.take(), overwrite=True,
+                                                         block_rows=self.policy.rows(8 * len(gram)),
                                                          in_place=self.policy.solve_in_place(width))
-            del gram, target
+            del gram
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = _consume(mixed, layer.feed_forward)
@@ -340,6 +339,11 @@ class _Cross:
         rows = self.rows or len(acts)
         for r in range(0, len(acts), rows):
             self.total[r : r + rows] += (acts[r : r + rows] @ target).double()
+
+    def take(self) -> torch.Tensor:
+        """The sum, no longer held here."""
+        total, self.total = self.total, None
+        return total
 
 
 def _consume(mixed: list, fn) -> list:

@@ -29,6 +29,7 @@ def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], dam
     idx = torch.tensor(keep, dtype=torch.long)
     if cross is not None:
         rhs = cross[idx]  # (K, d)
+        del cross  # the caller's (I, d) sum goes as soon as its kept rows are copied, when no one else holds it
     elif block_rows is None:
         rhs = gram[idx] @ down.double().T
     else:
