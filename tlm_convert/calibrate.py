@@ -34,11 +34,10 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .errors import ConversionError
-from .importance import StopForward, activation_stats, add_gram, neuron_scores
+from .importance import StopForward, activation_stats, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)

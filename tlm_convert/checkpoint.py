@@ -545,19 +545,8 @@ def _is_tied(hf_config) -> bool:
 def _from_hf(kind: str, path: Path, hf_config, tensors: dict[str, torch.Tensor], tokenizer_source,
              generation_config) -> Source:
     family = family_of(hf_config)  # the model type was checked by the caller
-    try:
-        canonical = canonical_source_state_dict(hf_config, tensors)
-    except ValueError as err:
-        raise ConversionError(f"'{path}': {one_line(err)}; re-download the checkpoint") from None
     notes = []
-    if "lm_head.weight" not in canonical and not _is_tied(hf_config):
-        hf_config.tie_word_embeddings = True  # transformers would initialise a random head: tie it instead
-        notes.append("the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings")
-    try:
-        tlm_config = tlm_config_from_hf(hf_config)
-    except ValueError as err:
-        raise ConversionError(f"{one_line(err)} (tlm-convert only imports models it reproduces exactly; use a "
-                              "checkpoint without these settings)") from None
+    _, tlm_config = import_hf_config(path, hf_config, tensors, notes)
     try:
         state_dict = tlm_state_dict_from_hf(hf_config, tensors)
     except ValueError as err:
@@ -567,6 +556,41 @@ def _from_hf(kind: str, path: Path, hf_config, tensors: dict[str, torch.Tensor],
     return Source(kind=kind, path=str(path), hf_config=hf_config, family=family, tlm_config=tlm_config,
                   state_dict=state_dict, tokenizer_source=tokenizer_source, num_params=count_params(state_dict),
                   generation_config=generation_config, notes=notes)
+
+
+TIED_NOTE = "the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings"
+
+
+def import_hf_config(path, hf_config, tensors: Mapping, notes: list) -> tuple[dict, TLMConfig]:
+    """(the source's tensors under canonical names, the TLMConfig that mirrors ``hf_config``) for a transformers
+    source whose ``tensors`` (name -> tensor, or anything) are known; a missing head is tied (noted), as
+    transformers would otherwise initialise a random one. Problems are one-line ConversionErrors."""
+    try:
+        canonical = canonical_source_state_dict(hf_config, tensors)
+    except ValueError as err:
+        raise ConversionError(f"'{path}': {one_line(err)}; re-download the checkpoint") from None
+    if "lm_head.weight" not in canonical and not _is_tied(hf_config):
+        hf_config.tie_word_embeddings = True
+        notes.append(TIED_NOTE)
+    try:
+        return canonical, tlm_config_from_hf(hf_config)
+    except ValueError as err:
+        raise ConversionError(f"{one_line(err)} (tlm-convert only imports models it reproduces exactly; use a "
+                              "checkpoint without these settings)") from None
+
+
+def read_tlm_config(path: Path) -> TLMConfig:
+    try:
+        return TLMConfig.from_pretrained(str(path))
+    except Exception as err:
+        raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
+
+
+def tie_missing_head(config: TLMConfig, names, notes: list) -> None:
+    """A TLM checkpoint with embeddings and no head gets a tied head (noted)."""
+    if "lm_head.weight" not in names and "model.embed_tokens.weight" in names and not config.tie_word_embeddings:
+        config.tie_word_embeddings = True
+        notes.append(TIED_NOTE)
 
 
 def count_params(state_dict: Mapping[str, torch.Tensor]) -> int:
@@ -581,19 +605,12 @@ def count_params(state_dict: Mapping[str, torch.Tensor]) -> int:
 
 
 def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
-    try:
-        config = TLMConfig.from_pretrained(str(path))
-    except Exception as err:
-        raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
+    config = read_tlm_config(path)
     weight_files(path)
     tensors = _read_state_dict(path, dtype)
     notes = []
-    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        if not config.tie_word_embeddings:
-            config.tie_word_embeddings = True
-            notes.append("the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings")
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    elif config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+    tie_missing_head(config, tensors, notes)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     check_tlm_state_dict(config, tensors, where=str(path))
     return Source(kind="tlm", path=str(path), hf_config=None, family="tlm", tlm_config=config, state_dict=tensors,
@@ -768,6 +785,10 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 
 __all__ = [
     "Source",
+    "TIED_NOTE",
+    "import_hf_config",
+    "read_tlm_config",
+    "tie_missing_head",
     "SafetensorsFiles",
     "TensorIndex",
     "prepare_tensor",

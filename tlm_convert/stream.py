@@ -41,9 +41,7 @@ from .archs import (
     QKV_BIAS,
     QKV_CONV1D,
     SUPPORTED_ARCHITECTURES,
-    canonical_source_state_dict,
     family_of,
-    tlm_config_from_hf,
     tlm_targets,
     transform_tensor,
 )
@@ -54,15 +52,18 @@ from .checkpoint import (
     TensorIndex,
     SafetensorsFiles,
     generation_config_of,
+    import_hf_config,
     prepare_tensor,
     read_hf_config,
     read_gguf_config,
     read_json,
+    read_tlm_config,
+    tie_missing_head,
     tokenizer_folder,
     tokenizer_kwargs,
     weight_files,
 )
-from .errors import ConversionError, one_line
+from .errors import ConversionError
 from .export import copy_tokenizer, write_generation_config
 from .perplexity import nll_sum
 from .upcycle import carry_scores, upcycle_layer
@@ -72,7 +73,6 @@ logger = logging.getLogger(__name__)
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-TIED_NOTE = "the checkpoint has no lm_head.weight: the output layer is tied to the input embeddings"
 
 
 def check_streamable(opts) -> None:
@@ -211,18 +211,7 @@ def _stream_source(kind, path, family, config, tensors, targets, tokenizer_sourc
 
 def _hf_targets(path: Path, hf_config, tensors, notes: list):
     family = family_of(hf_config)
-    try:
-        canonical = canonical_source_state_dict(hf_config, {name: name for name in tensors})  # canonical -> file name
-    except ValueError as err:
-        raise ConversionError(f"'{path}': {one_line(err)}; re-download the checkpoint") from None
-    if "lm_head.weight" not in canonical and not getattr(hf_config, "tie_word_embeddings", False):
-        hf_config.tie_word_embeddings = True  # as load_source: no head in the file means a tied head
-        notes.append(TIED_NOTE)
-    try:
-        config = tlm_config_from_hf(hf_config)
-    except ValueError as err:
-        raise ConversionError(f"{one_line(err)} (tlm-convert only imports models it reproduces exactly; use a "
-                              "checkpoint without these settings)") from None
+    canonical, config = import_hf_config(path, hf_config, {name: name for name in tensors}, notes)  # -> file name
     targets, unexpected = tlm_targets(hf_config, canonical)
     if unexpected:
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
@@ -233,14 +222,8 @@ def _hf_targets(path: Path, hf_config, tensors, notes: list):
 
 
 def _tlm_targets(path: Path, tensors, notes: list):
-    try:
-        config = TLMConfig.from_pretrained(str(path))
-    except Exception as err:
-        raise ConversionError(f"the TLM config in '{path}' is invalid ({one_line(err)}); fix config.json") from None
-    names = set(tensors)
-    if "lm_head.weight" not in names and "model.embed_tokens.weight" in names and not config.tie_word_embeddings:
-        config.tie_word_embeddings = True
-        notes.append(TIED_NOTE)
+    config = read_tlm_config(path)
+    tie_missing_head(config, set(tensors), notes)
     targets = {n: (n, COPY, 0) for n in tensors if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     return config, targets
 
