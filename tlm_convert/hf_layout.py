@@ -5,8 +5,6 @@ writer (gguf_export.py)."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from tlm import TLMConfig
@@ -18,6 +16,7 @@ from .archs import (
     QKV_CONV1D,
     SUPPORTED_ARCHITECTURES,
     TENSOR_TABLES,
+    layer_template,
     tlm_config_from_hf,
 )
 from .checkpoint import Source
@@ -218,13 +217,6 @@ def check_round_trip(hf_config, config: TLMConfig, fmt: str) -> None:
 # ============================================================================================== tensors
 
 
-def _template(name: str) -> tuple[str, int | None]:
-    m = re.search(r"\.(\d+)\.", name)
-    if m is None:
-        return name, None
-    return name[: m.start()] + ".{i}." + name[m.end():], int(m.group(1))
-
-
 def hf_state_dict_from_tlm(config: TLMConfig, state_dict, model_type: str) -> dict[str, torch.Tensor]:
     """Source-architecture tensors for a TLM state dict: the inverse of ``archs.tlm_state_dict_from_hf``.
 
@@ -242,7 +234,7 @@ def hf_state_dict_from_tlm(config: TLMConfig, state_dict, model_type: str) -> di
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        template, layer = _template(name)
+        template, layer = layer_template(name)
         if template not in inverse:
             raise ConversionError(f"TLM tensor '{name}' has no place in a {model_type} checkpoint; use --export tlm")
         src, kind, j, n = inverse[template]
