@@ -137,11 +137,10 @@ def test_hook_statistics_accumulate_over_batches():
 def test_stopping_hook_records_the_first_columns_and_stops():
     linear = torch.nn.Linear(5, 3)
     x = torch.randn(2, 4, 5)
-    seen = []
-    with activation_stats(linear, columns=3, stop=True, on_batch=seen.append) as stats:
+    with activation_stats(linear, keep=True, columns=3, stop=True) as stats:
         with pytest.raises(StopForward):
             linear(x)
-    assert stats.tokens == 8 and torch.equal(seen[0], x[..., :3])
+    assert stats.tokens == 8 and torch.equal(stats.kept[0], x[..., :3])
     torch.testing.assert_close(stats.sum, x[..., :3].sum((0, 1)).double())
     assert not linear._forward_pre_hooks
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import tlm_convert.convert as convert_module
 from tlm_convert import report
-from tlm_convert.calibrate import LOW_MEMORY
+from tlm_convert.calibrate import IN_MEMORY, LOW_MEMORY
 from tlm_convert.checkpoint import load_source
 from tlm_convert.compensate import refit_down_proj, refit_kept
 from tlm_convert.convert import ConvertOptions, convert
@@ -59,9 +59,10 @@ def _leftovers(parent, name):
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.tmp-")]
 
 
-# the low-memory policy as it runs, and with its limits forced down to the tiny layers: Gram matrix, AᵀY and the
-# refit's right-hand side in blocks ("blocks")
-POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096)}
+# the low-memory policy as it runs, with its limits forced down to the tiny layers (Gram matrix, AᵀY and the
+# refit's right-hand side in blocks: "blocks"), and keeping the activations the tiny layers would sum ("kept")
+POLICIES = {"low_memory": LOW_MEMORY, "blocks": replace(LOW_MEMORY, block_bytes=4096),
+            "kept": replace(LOW_MEMORY, keep_activations_bytes=1 << 30)}
 CASES = [
     ("llama", dict(eval_data=(str(DATA), "eval-code"), eval_tokens=192)),  # two evaluation sets
     ("gpt2", dict(refit_target="residual")),
@@ -249,3 +250,10 @@ def test_blocked_gram_matches_activation_stats():
     assert blocked.tokens == whole.tokens == 33
     flat = a.flatten(0, 1).double()
     torch.testing.assert_close(whole.gram, flat.T @ flat, rtol=1e-6, atol=1e-5)  # the triangle of blocks, mirrored
+
+
+def test_a_layer_keeps_its_activations_only_when_they_take_less_memory_than_its_gram_matrix():
+    for policy in (LOW_MEMORY, IN_MEMORY):
+        assert policy.keeps(tokens=1024, width=11008)  # 45 MB of activations, a 970 MB Gram matrix
+        assert not policy.keeps(tokens=65536, width=1536)  # 403 MB of activations, a 19 MB Gram matrix
+    assert replace(LOW_MEMORY, keep_activations_bytes=1 << 30).keeps(tokens=65536, width=1536)

@@ -34,10 +34,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .errors import ConversionError
-from .importance import StopForward, activation_stats, neuron_scores
+from .importance import StopForward, activation_stats, add_gram, neuron_scores
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class MemoryPolicy:
     """Which temporaries the layer loop may form whole. The arithmetic is the same under every policy up to the
     order of fp32 summation, and exactly the same while a layer fits the limits.
 
+    keep_activations_bytes: a shrinking layer keeps its pass's activations (N × I fp32) up to this size; else it
+        sums AᵀA and runs the resized MLP again. None: whichever takes less memory (activations smaller than the
+        I × I fp64 Gram matrix: few tokens, a wide MLP).
     block_bytes: the largest temporary of the Gram matrix's updates and of the refit's right-hand side (row blocks),
         and of the refit's solve: a K × K system larger than this is factored in its own storage. None: no limit.
     obs_budget_bytes: ``importance="obs"`` holds about five dense I × I fp64 matrices per layer (the Gram matrix,
@@ -57,8 +61,13 @@ class MemoryPolicy:
     """
 
     name: str
+    keep_activations_bytes: int | None = None
     block_bytes: int | None = None
     obs_budget_bytes: int | None = None
+
+    def keeps(self, tokens: int, width: int) -> bool:
+        limit = 8 * width * width - 1 if self.keep_activations_bytes is None else self.keep_activations_bytes
+        return 4 * tokens * width <= limit
 
     def solve_in_place(self, kept: int) -> bool:
         """Whether the refit factors its (kept x kept) fp64 system in place (compensate.refit_kept)."""
@@ -284,10 +293,60 @@ class _LayerStep:
                 hidden = _consume(mixed, layer.feed_forward)
         return plan, score, hidden
 
+    def shrink_kept(self, i, layer, mixed, width, source_hidden):
+        """``shrink`` keeping the pass's activations: the refit's system from them (the kept neurons' Gram matrix
+        alone: K² instead of I²), and the layer's output z + D′ a_K from them (no second MLP pass)."""
+        down = layer.mlp.down_proj
+        obs = self.importance == "obs"
+        rows = self.policy.rows(12 * down.in_features)
+        with self.timer("calibrate"):
+            with activation_stats(down, gram=obs and source_hidden is None, keep=True, stop=True,
+                                  block_rows=rows) as stats:
+                for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
+                    try:
+                        layer.feed_forward(z)
+                    except StopForward:
+                        pass
+        score = self.scores(i, layer, stats)
+        if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
+            start = down.weight
+            if source_hidden is not None:
+                with self.timer("calibrate"):
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows)
+                with self.timer("rank"):
+                    start = refit_kept(stats.gram, rhs, damp=self.damp)
+            with self.timer("rank"):
+                keep, new_down = obs_prune(stats.gram, start, width, damp=self.damp)
+            plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
+        else:
+            plan = plan_from_scores([score], [width])[0]
+            if self.refit:
+                with self.timer("calibrate"):
+                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
+                in_place = self.policy.solve_in_place(width)
+                if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
+                    rhs = rhs.T.contiguous().T
+                with self.timer("rank"):
+                    plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True,
+                                                    in_place=in_place).to(down.weight.dtype)
+                del gram, rhs
+        stats.gram = None
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+            hidden = []
+            for b in range(len(mixed)):  # z + D′ a_K from the recorded activations; frees both per batch
+                hidden.append(_feed_forward_reusing(layer, mixed[b], stats.kept[b], plan))
+                mixed[b] = stats.kept[b] = None
+        return plan, score, hidden
+
     def shrink(self, i, layer, mixed, width, source_hidden):
         """AᵀA (and the residual target's AᵀY) summed batch by batch while the MLP runs up to its down projection,
-        the plan and refit from them (G_KK taken out of AᵀA in place), then the resized MLP runs again."""
+        the plan and refit from them (G_KK taken out of AᵀA in place), then the resized MLP runs again; or, when
+        the activations take less memory than that (few tokens, wide MLP) and the policy allows, ``shrink_kept``."""
         down = layer.mlp.down_proj
+        tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
+        if self.policy.keeps(tokens, down.in_features):
+            return self.shrink_kept(i, layer, mixed, width, source_hidden)
         obs = self.importance == "obs"
         solve = obs or self.refit
         cross = _Cross(down, mixed, source_hidden, self.policy) if solve and source_hidden is not None else None
@@ -360,6 +419,53 @@ def _weights(mlp, width=None) -> dict:
     out = {n: getattr(mlp, n).weight[:width] for n in ("gate_proj", "up_proj") if hasattr(mlp, n)}
     out["down_proj"] = mlp.down_proj.weight[:, :width]
     return out
+
+
+def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
+    all neurons, no copy of the activations).
+
+    Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
+    the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
+    rows), accumulated in fp64."""
+    idx = None if keep is None else torch.as_tensor(keep, dtype=torch.long, device=down.weight.device)
+    gram = rhs = None
+    for b, a in enumerate(acts):
+        a = a.flatten(0, 1).float()  # (N_b, I)
+        a_k = a if idx is None else a.index_select(1, idx)  # (N_b, K)
+        if source_hidden is None:
+            target = F.linear(a, down.weight.float())  # (N_b, d)
+        else:
+            target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
+            if down.bias is not None:
+                target = target - down.bias.float()
+        if gram is None:
+            gram = torch.zeros(a_k.shape[1], a_k.shape[1], dtype=torch.float64, device=a.device)
+            rhs = torch.zeros(a_k.shape[1], target.shape[1], dtype=torch.float64, device=a.device)
+        add_gram(gram, a_k, rows)
+        rhs += (a_k.T @ target).double()
+    return gram, rhs
+
+
+def _feed_forward_reusing(layer, z, a, plan):
+    """feed_forward(z) after resizing, reusing the first pass's activations a (B, S, I_source): kept neurons are
+    sliced from a, only new neurons are computed. Equals ``layer.feed_forward(z)`` with the new weights."""
+    mlp = layer.mlp
+    a = a[..., plan.keep]
+    if plan.grow:
+        x = layer.post_attention_layernorm(z)
+        new = slice(len(plan.keep), plan.width)
+        up = F.linear(x, mlp.up_proj.weight[new], None if mlp.up_proj.bias is None else mlp.up_proj.bias[new])
+        if hasattr(mlp, "gate_proj"):
+            gate = mlp.gate_proj
+            extra = mlp.act_fn(F.linear(x, gate.weight[new], None if gate.bias is None else gate.bias[new])) * up
+        else:
+            extra = mlp.act_fn(up)
+        a = torch.cat([a, extra], dim=-1)
+    y = mlp.down_proj(a)
+    if layer.sandwich:
+        y = layer.post_feedforward_layernorm(y)
+    return z + y
 
 
 def _mix(base, layer, h, positions):

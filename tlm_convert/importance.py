@@ -36,8 +36,9 @@ METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random")
 class ActivationStats:
     """Running sums over calibration tokens of a (B, S, I) activation; optional Gram matrix AᵀA."""
 
-    def __init__(self, width: int, gram: bool = False, block_rows: int | None = None):
+    def __init__(self, width: int, gram: bool = False, keep: bool = False, block_rows: int | None = None):
         self.block_rows = block_rows  # the Gram matrix's update in blocks of at most this many columns
+        self.kept: list[torch.Tensor] | None = [] if keep else None  # the activations themselves, if asked
         self.tokens = 0
         self.sequences = 0
         self.sum = torch.zeros(width, dtype=torch.float64)  # Σ a
@@ -47,6 +48,8 @@ class ActivationStats:
 
     @torch.no_grad()
     def update(self, a: torch.Tensor) -> None:
+        if self.kept is not None:
+            self.kept.append(a)
         a = a.float() if a.dim() == 3 else a.float()[None]  # (B, S, I)
         flat = a.reshape(-1, a.shape[-1])  # (B*S, I)
         self.tokens += flat.shape[0]
@@ -87,15 +90,16 @@ class StopForward(Exception):
 
 
 @contextmanager
-def activation_stats(down_proj: torch.nn.Module, gram: bool = False, columns: int | None = None, stop: bool = False,
-                     block_rows: int | None = None, on_batch=None):
+def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool = False, columns: int | None = None,
+                     stop: bool = False, block_rows: int | None = None, on_batch=None):
     """``with activation_stats(layer.mlp.down_proj) as stats:`` run batches; the hook is always removed.
 
+    ``keep=True`` also keeps each batch's activation tensor in ``stats.kept`` (the converter reuses them);
     ``columns`` records only the first that many neurons (the source ones of a grown layer); ``stop=True`` raises
     :class:`StopForward` after recording, for callers that only want the activations; ``block_rows``: see
     :func:`add_gram`; ``on_batch(a)`` is called with every batch's recorded activations."""
     width = columns or down_proj.in_features
-    stats = ActivationStats(width, gram=gram, block_rows=block_rows)
+    stats = ActivationStats(width, gram=gram, keep=keep, block_rows=block_rows)
 
     def hook(_module, args):
         stats.update(args[0].detach()[..., :width])
