@@ -15,14 +15,17 @@ Per layer l, after z = mix(h) for every batch:
   its activation hook recording the source neurons' statistics (the importance profile);
 * a shrinking layer runs its MLP only up to the down projection (the hook sums the activations' statistics, their
   Gram matrix AᵀA and, for the residual target, AᵀY, and stops the forward), keeps its top-scored neurons (or
-  those OBS keeps), refits the down projection by least squares from G_KK, and runs the resized MLP again;
+  those OBS keeps), refits the down projection by least squares from G_KK, and runs the resized MLP again. Where
+  the activations take less memory than AᵀA (:meth:`MemoryPolicy.keeps`), it keeps them instead: the refit's
+  system from the kept neurons' activations alone, and the output z + D′ a_K from them (no second MLP pass);
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
-The cost is one forward pass over the calibration tokens, the refit's products, the resized MLPs of the shrinking
-(and split) layers once more, and with ``refit_target="residual"`` the source model's layers from the second
+The cost is one forward pass over the calibration tokens, the refit's products, the resized MLPs of the summing
+shrinking (and split) layers once more, and with ``refit_target="residual"`` the source model's layers from the second
 shrinking layer on (at the first, the source stream is the converted one). Resident beyond the weights: the carried
-hidden states (one stream, two with the residual target) and the per-layer statistics, never the activations.
+hidden states (one stream, two with the residual target) and the per-layer statistics, or the activations where
+they are the smaller.
 """
 
 from __future__ import annotations
