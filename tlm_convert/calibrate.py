@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .errors import ConversionError
 from .importance import StopForward, activation_stats, add_gram, neuron_scores
+from .reconstruct import reconstruct_mlp, token_weights
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,9 @@ class LayerSettings:
     noise_scale: float = NOISE_SCALE
     damp: float = DAMP
     scores_needed: bool = True  # the caller uses the neuron scores even where nothing is resized (hope_attention)
+    token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
+    reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
+    reconstruct_lr: float = 1e-4
 
 
 @dataclass
@@ -250,6 +254,7 @@ class _LayerStep:
         self.base, self.positions, self.policy, self.timer = base, positions, policy, timer
         self.importance, self.grow_init, self.refit = settings.importance, settings.grow_init, settings.refit
         self.seed, self.noise_scale, self.damp = settings.seed, settings.noise_scale, settings.damp
+        self.settings = settings
 
     def mix(self, layer, hidden: list) -> list:
         """z = mix(h) per batch; frees each input batch as soon as it is mixed."""
@@ -294,8 +299,9 @@ class _LayerStep:
             return self.shrink_summed(i, layer, mixed, width, source_hidden)
         obs = self.importance == "obs"
         rows = self.policy.rows(12 * down.in_features)
+        weights = token_weights(self.settings.token_weighting, mixed)
         with self.timer("calibrate"):
-            with activation_stats(down, gram=obs and source_hidden is None, keep=True, stop=True,
+            with activation_stats(down, gram=obs and source_hidden is None and weights is None, keep=True, stop=True,
                                   block_rows=rows) as stats:
                 for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
                     try:
@@ -304,10 +310,11 @@ class _LayerStep:
                         pass
         score = self.scores(i, layer, stats)
         if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
-            start = down.weight
-            if source_hidden is not None:
+            start = down.weight  # the local target's optimum under any token weights
+            if source_hidden is not None or weights is not None:
                 with self.timer("calibrate"):
-                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows)
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows, weights)
+            if source_hidden is not None:
                 with self.timer("rank"):
                     start = refit_kept(stats.gram, rhs, damp=self.damp)
             with self.timer("rank"):
@@ -317,7 +324,7 @@ class _LayerStep:
             plan = plan_from_scores([score], [width])[0]
             if self.refit:
                 with self.timer("calibrate"):
-                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
+                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows, weights)
                 in_place = self.policy.solve_in_place(width)
                 if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
                     rhs = rhs.T.contiguous().T
@@ -326,6 +333,8 @@ class _LayerStep:
                                                     in_place=in_place).to(down.weight.dtype)
                 del gram, rhs
         stats.gram = None
+        if self.settings.reconstruct_epochs > 0 and not layer.sandwich:
+            return plan, score, self.reconstruct(i, layer, plan, mixed, stats.kept, source_hidden, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = []
@@ -334,10 +343,30 @@ class _LayerStep:
                 mixed[b] = stats.kept[b] = None
         return plan, score, hidden
 
+    def reconstruct(self, i, layer, plan, mixed, acts, source_hidden, weights) -> list:
+        """Resize, then train the pruned MLP towards the refit's target (reconstruct.reconstruct_mlp); returns the
+        layer's output per batch. Frees the activations."""
+        down = layer.mlp.down_proj
+        with self.timer("resize"):
+            if source_hidden is None:  # local: the source MLP's own output, from the recorded activations
+                targets = [F.linear(a.float(), down.weight.float(), down.bias) for a in acts]
+            else:
+                targets = [h - z for h, z in zip(source_hidden, mixed)]
+            acts.clear()
+            self.resize(i, layer, plan)
+            history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
+                                      self.settings.reconstruct_lr, seed=self.seed + i)
+            logger.info("layer %d reconstruction: relative error %s", i, " -> ".join(f"{e:.4f}" for e in history))
+            del targets
+            return _consume(mixed, layer.feed_forward)
+
     def shrink_summed(self, i, layer, mixed, width, source_hidden):
         """``shrink`` for activations too large to keep: AᵀA (and AᵀY) are summed batch by batch during the
         statistics pass, the refit takes G_KK out of AᵀA in place, and the resized MLP runs again."""
         down = layer.mlp.down_proj
+        if self.settings.token_weighting != "none" or self.settings.reconstruct_epochs > 0:
+            raise ConversionError(f"layer {i}: token weighting and layer reconstruction keep the activations, "
+                                  "which exceed the low-memory limit here; drop --low-memory")
         obs = self.importance == "obs"
         solve = obs or self.refit
         cross = _Cross(down, mixed, source_hidden, self.policy) if solve and source_hidden is not None else None
@@ -408,9 +437,11 @@ def _weights(mlp, width=None) -> dict:
     return out
 
 
-def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
+                 weights=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
-    all neurons, no copy of the activations).
+    all neurons, no copy of the activations); with ``weights`` (per batch, (B, S)), every token's row of a_K and Y
+    scaled by √w (the weighted system Σ w a_Kᵀ a_K, Σ w a_Kᵀ Y).
 
     Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
     the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
@@ -426,6 +457,9 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tupl
             target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
             if down.bias is not None:
                 target = target - down.bias.float()
+        if weights is not None:
+            root = weights[b].flatten().sqrt()[:, None]  # (N_b, 1)
+            a_k, target = a_k * root, target * root
         if gram is None:
             gram = torch.zeros(a_k.shape[1], a_k.shape[1], dtype=torch.float64, device=a.device)
             rhs = torch.zeros(a_k.shape[1], target.shape[1], dtype=torch.float64, device=a.device)
