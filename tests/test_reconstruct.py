@@ -89,3 +89,20 @@ def test_reconstruction_lowers_the_converted_models_error_and_is_deterministic(s
     assert error(trained) < error(refit)
     for (name, a), (_, b) in zip(trained.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("settings", [{"token_weighting": "inv_norm"},
+                                      {"token_weighting": "sink", "reconstruct_epochs": 2, "reconstruct_lr": 1e-3},
+                                      {"refit_target": "local", "token_weighting": "inv_norm",
+                                       "reconstruct_epochs": 2, "reconstruct_lr": 1e-3}])
+def test_summed_statistics_give_the_kept_activations_result(settings, source):
+    # activations too large to keep: the weighted Gram matrix and AᵀWY are summed batch by batch instead
+    src, blocks = source
+    models = []
+    for policy in (calibrate.IN_MEMORY, calibrate.MemoryPolicy("summed", keep_activations_bytes=0)):
+        model = _model(src)
+        layer_settings = LayerSettings(importance="obs", batch_size=8, **{"refit_target": "residual", **settings})
+        convert_layers(model.model, ModelLayers(model), blocks, WIDTHS, layer_settings, policy)
+        models.append(model)
+    for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)

@@ -333,8 +333,10 @@ class _LayerStep:
                                                     in_place=in_place).to(down.weight.dtype)
                 del gram, rhs
         stats.gram = None
-        if self.settings.reconstruct_epochs > 0 and not layer.sandwich:
-            return plan, score, self.reconstruct(i, layer, plan, mixed, stats.kept, source_hidden, weights)
+        if self.reconstructs(layer):
+            targets = _mlp_targets(layer, mixed, source_hidden, stats.kept)
+            stats.kept = None
+            return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = []
@@ -343,16 +345,13 @@ class _LayerStep:
                 mixed[b] = stats.kept[b] = None
         return plan, score, hidden
 
-    def reconstruct(self, i, layer, plan, mixed, acts, source_hidden, weights) -> list:
-        """Resize, then train the pruned MLP towards the refit's target (reconstruct.reconstruct_mlp); returns the
-        layer's output per batch. Frees the activations."""
-        down = layer.mlp.down_proj
+    def reconstructs(self, layer) -> bool:
+        return self.settings.reconstruct_epochs > 0 and not layer.sandwich
+
+    def reconstruct(self, i, layer, plan, mixed, targets, weights) -> list:
+        """Resize, then train the pruned MLP towards the refit's ``targets`` (reconstruct.reconstruct_mlp); returns
+        the layer's output per batch."""
         with self.timer("resize"):
-            if source_hidden is None:  # local: the source MLP's own output, from the recorded activations
-                targets = [F.linear(a.float(), down.weight.float(), down.bias) for a in acts]
-            else:
-                targets = [h - z for h, z in zip(source_hidden, mixed)]
-            acts.clear()
             self.resize(i, layer, plan)
             history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
                                       self.settings.reconstruct_lr, seed=self.seed + i)
@@ -364,22 +363,24 @@ class _LayerStep:
         """``shrink`` for activations too large to keep: AᵀA (and AᵀY) are summed batch by batch during the
         statistics pass, the refit takes G_KK out of AᵀA in place, and the resized MLP runs again."""
         down = layer.mlp.down_proj
-        if self.settings.token_weighting != "none" or self.settings.reconstruct_epochs > 0:
-            raise ConversionError(f"layer {i}: token weighting and layer reconstruction keep the activations, "
-                                  "which exceed the low-memory limit here; drop --low-memory")
         obs = self.importance == "obs"
         solve = obs or self.refit
-        cross = _Cross(down, mixed, source_hidden, self.policy) if solve and source_hidden is not None else None
+        weights = token_weights(self.settings.token_weighting, mixed)
+        rows = self.policy.rows(12 * down.in_features)
+        cross = _Cross(down, mixed, source_hidden, self.policy, weights) if solve and source_hidden is not None else None
+        weighted = _WeightedGram(down.in_features, weights, rows) if solve and weights is not None else None
+        sums = [f for f in (cross, weighted) if f is not None]
         with self.timer("calibrate"):
-            with activation_stats(down, gram=solve, stop=True, block_rows=self.policy.rows(12 * down.in_features),
-                                  on_batch=cross) as stats:
+            targets = _mlp_targets(layer, mixed, source_hidden) if self.reconstructs(layer) else None
+            with activation_stats(down, gram=solve and weights is None, stop=True, block_rows=rows,
+                                  on_batch=(lambda a: [f(a) for f in sums]) if sums else None) as stats:
                 for z in mixed:
                     try:
                         layer.feed_forward(z)
                     except StopForward:
                         pass
         score = self.scores(i, layer, stats)
-        gram, stats.gram = stats.gram, None
+        gram, stats.gram = stats.gram if weighted is None else weighted.gram, None
         target = None if cross is None else cross.total  # (I, d) = AᵀY of the residual target
         with self.timer("rank"):
             if obs:
@@ -394,6 +395,8 @@ class _LayerStep:
                                                          overwrite=True, block_rows=self.policy.rows(8 * len(gram)),
                                                          in_place=self.policy.solve_in_place(width))
             del gram, target
+        if targets is not None:
+            return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = _consume(mixed, layer.feed_forward)
@@ -404,20 +407,51 @@ class _Cross:
     """The residual target's AᵀY = Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time from the
     statistics hook (batches in order), in row blocks of the policy's size."""
 
-    def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy):
-        self.bias, self.mixed, self.source_hidden = down.bias, mixed, source_hidden
+    def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy, weights=None):
+        self.bias, self.mixed, self.source_hidden, self.weights = down.bias, mixed, source_hidden, weights
         self.total = torch.zeros(down.in_features, down.out_features, dtype=torch.float64)
         self.rows, self.batch = policy.rows(12 * down.out_features), 0
 
     def __call__(self, a: torch.Tensor) -> None:
         target = self.source_hidden[self.batch] - self.mixed[self.batch]  # (B, S, d)
-        self.batch += 1
         if self.bias is not None:
             target = target - self.bias
+        if self.weights is not None:  # Aᵀ W Y
+            target = target * self.weights[self.batch][..., None]
+        self.batch += 1
         acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
         rows = self.rows or len(acts)
         for r in range(0, len(acts), rows):
             self.total[r : r + rows] += (acts[r : r + rows] @ target).double()
+
+
+class _WeightedGram:
+    """Σ_batches Σ_n w_n a_nᵀ a_n (I, I) fp64 from the statistics hook (batches in order): the token-weighted
+    Gram matrix of the summed refit, in row blocks of ``rows``."""
+
+    def __init__(self, width: int, weights: list, rows: int | None):
+        self.gram = torch.zeros(width, width, dtype=torch.float64)
+        self.weights, self.rows, self.batch = weights, rows, 0
+
+    def __call__(self, a: torch.Tensor) -> None:
+        root = self.weights[self.batch].flatten().sqrt()[:, None]  # (N, 1)
+        self.batch += 1
+        add_gram(self.gram, a.flatten(0, 1).float() * root, self.rows)
+
+
+def _mlp_targets(layer, mixed, source_hidden, acts=None) -> list:
+    """What a pruned MLP is fitted to per batch (B, S, d): h_src − z (residual target), else the source MLP's own
+    output, from its recorded activations ``acts`` when given (consumed) or by running it."""
+    if source_hidden is not None:
+        return [h - z for h, z in zip(source_hidden, mixed)]
+    if acts is None:
+        return [layer.mlp(layer.post_attention_layernorm(z)) for z in mixed]
+    down = layer.mlp.down_proj
+    out = []
+    for b in range(len(acts)):
+        out.append(F.linear(acts[b].float(), down.weight.float(), down.bias))
+        acts[b] = None
+    return out
 
 
 def _consume(mixed: list, fn) -> list:
