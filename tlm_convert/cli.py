@@ -20,6 +20,7 @@ from .errors import ConversionError, one_line
 from .export import FORMATS
 from .importance import METRICS
 from .outputs import temp_prefix
+from .reconstruct import TOKEN_WEIGHTINGS
 from .surgery import GROW_INITS
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
@@ -184,6 +185,10 @@ def _return_freed_memory() -> None:
               help="Least-squares refit of pruned layers' down projections.")
 @click.option("--refit-target", default="residual", show_default=True, type=click.Choice(REFIT_TARGETS),
               help="Fit pruned MLPs to restore the source residual stream (residual) or their own output (local).")
+@click.option("--token-weighting", default="none", show_default=True, type=click.Choice(TOKEN_WEIGHTINGS),
+              help="Per-token weights of the refit: sink drops position 0, inv_norm also weighs by 1/|z|^2.")
+@click.option("--reconstruct-epochs", type=int, default=0, show_default=True,
+              help="Epochs of Adam on each pruned MLP (gate, up, down) towards the refit target after the refit.")
 @click.option("--mixer", default="attention", show_default=True,
               type=click.Choice(MIXER_CHOICES))
 @click.option("--export", "export_format", default="tlm", show_default=True,
