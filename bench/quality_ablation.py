@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import resource
 import time
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model, tokenizer, src = load_model(SOURCE)
