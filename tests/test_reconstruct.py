@@ -108,3 +108,13 @@ def test_summed_statistics_give_the_kept_activations_result(settings, source):
         models.append(model)
     for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_options_refuse_bad_values_in_one_line():
+    from tlm_convert.convert import ConvertOptions
+    from tlm_convert.errors import ConversionError
+
+    with pytest.raises(ConversionError, match="--reconstruct-epochs -1: must be 0 or more"):
+        ConvertOptions(reconstruct_epochs=-1).validate()
+    with pytest.raises(ConversionError, match="--token-weighting 'bogus'"):
+        ConvertOptions(token_weighting="bogus").validate()
