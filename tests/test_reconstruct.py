@@ -8,6 +8,8 @@ import tlm
 from tlm_convert import calibrate
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.checkpoint import load_source
+from tlm_convert.convert import ConvertOptions
+from tlm_convert.errors import ConversionError
 from tlm_convert.reconstruct import reconstruct_mlp, token_weights
 
 WIDTHS = [72, 60, 36, 24]
@@ -111,9 +113,6 @@ def test_summed_statistics_give_the_kept_activations_result(settings, source):
 
 
 def test_options_refuse_bad_values_in_one_line():
-    from tlm_convert.convert import ConvertOptions
-    from tlm_convert.errors import ConversionError
-
     with pytest.raises(ConversionError, match="--reconstruct-epochs -1: must be 0 or more"):
         ConvertOptions(reconstruct_epochs=-1).validate()
     with pytest.raises(ConversionError, match="--token-weighting 'bogus'"):
