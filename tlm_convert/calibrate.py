@@ -21,6 +21,9 @@ Per layer l, after z = mix(h) for every batch:
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
+Options measured for out-of-domain quality (tlm_convert.reconstruct, bench/RESULTS.md): per-token weights of the
+refit (``token_weighting``) and a few epochs of Adam on each pruned MLP after its refit (``reconstruct_epochs``).
+
 The cost is one forward pass over the calibration tokens plus the refit's products, and with
 ``refit_target="residual"`` the source model's layers from the first shrinking layer on.
 """
@@ -367,7 +370,8 @@ class _LayerStep:
         solve = obs or self.refit
         weights = token_weights(self.settings.token_weighting, mixed)
         rows = self.policy.rows(12 * down.in_features)
-        cross = _Cross(down, mixed, source_hidden, self.policy, weights) if solve and source_hidden is not None else None
+        residual = solve and source_hidden is not None
+        cross = _Cross(down, mixed, source_hidden, self.policy, weights) if residual else None
         weighted = _WeightedGram(down.in_features, weights, rows) if solve and weights is not None else None
         sums = [f for f in (cross, weighted) if f is not None]
         with self.timer("calibrate"):
