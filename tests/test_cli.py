@@ -38,8 +38,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
     "--eval-tokens", "--export", "--grow-init", "--help", "--importance", "--low-memory", "--mixer",
-    "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--refit", "--refit-target", "--schedule", "--seed",
-    "--seq-len", "--trust-remote-code",
+    "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs", "--refit",
+    "--refit-target", "--schedule", "--seed", "--seq-len", "--token-weighting", "--trust-remote-code",
 ]
 
 

@@ -21,6 +21,9 @@ Per layer l, after z = mix(h) for every batch:
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
+Options measured for out-of-domain quality (tlm_convert.reconstruct, bench/RESULTS.md): per-token weights of the
+refit (``token_weighting``) and a few epochs of Adam on each pruned MLP after its refit (``reconstruct_epochs``).
+
 The cost is one forward pass over the calibration tokens, the refit's products, the resized MLPs of the summing
 shrinking (and split) layers once more, and with ``refit_target="residual"`` the source model's layers from the second
 shrinking layer on (at the first, the source stream is the converted one). Resident beyond the weights: the carried
@@ -42,6 +45,7 @@ from torch.nn import functional as F
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .errors import ConversionError
 from .importance import StopForward, activation_stats, add_gram, neuron_scores
+from .reconstruct import reconstruct_mlp, token_weights
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
@@ -143,6 +147,9 @@ class LayerSettings:
     noise_scale: float = NOISE_SCALE
     damp: float = DAMP
     scores_needed: bool = True  # the caller uses the neuron scores even where nothing is resized (hope_attention)
+    token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
+    reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
+    reconstruct_lr: float = 1e-4
 
 
 @dataclass
@@ -254,6 +261,7 @@ class _LayerStep:
         self.base, self.positions, self.policy, self.timer = base, positions, policy, timer
         self.importance, self.grow_init, self.refit = settings.importance, settings.grow_init, settings.refit
         self.seed, self.noise_scale, self.damp = settings.seed, settings.noise_scale, settings.damp
+        self.settings = settings
 
     def mix(self, layer, hidden: list) -> list:
         """z = mix(h) per batch; frees each input batch as soon as it is mixed."""
@@ -302,8 +310,9 @@ class _LayerStep:
         down = layer.mlp.down_proj
         obs = self.importance == "obs"
         rows = self.policy.rows(12 * down.in_features)
+        weights = token_weights(self.settings.token_weighting, mixed)
         with self.timer("calibrate"):
-            with activation_stats(down, gram=obs and source_hidden is None, keep=True, stop=True,
+            with activation_stats(down, gram=obs and source_hidden is None and weights is None, keep=True, stop=True,
                                   block_rows=rows) as stats:
                 for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
                     try:
@@ -312,10 +321,11 @@ class _LayerStep:
                         pass
         score = self.scores(i, layer, stats)
         if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
-            start = down.weight
-            if source_hidden is not None:
+            start = down.weight  # the local target's optimum under any token weights
+            if source_hidden is not None or weights is not None:
                 with self.timer("calibrate"):
-                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows)
+                    stats.gram, rhs = _kept_system(down, stats.kept, mixed, None, source_hidden, rows, weights)
+            if source_hidden is not None:
                 with self.timer("rank"):
                     start = refit_kept(stats.gram, rhs, damp=self.damp)
             with self.timer("rank"):
@@ -325,7 +335,7 @@ class _LayerStep:
             plan = plan_from_scores([score], [width])[0]
             if self.refit:
                 with self.timer("calibrate"):
-                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows)
+                    gram, rhs = _kept_system(down, stats.kept, mixed, plan.keep, source_hidden, rows, weights)
                 in_place = self.policy.solve_in_place(width)
                 if in_place:  # the right-hand side as LAPACK solves it in place: (K, d) column-major
                     rhs = rhs.T.contiguous().T
@@ -334,6 +344,10 @@ class _LayerStep:
                                                     in_place=in_place).to(down.weight.dtype)
                 del gram, rhs
         stats.gram = None
+        if self.reconstructs(layer):
+            targets = _mlp_targets(layer, mixed, source_hidden, stats.kept)
+            stats.kept = None
+            return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = []
@@ -341,6 +355,20 @@ class _LayerStep:
                 hidden.append(_feed_forward_reusing(layer, mixed[b], stats.kept[b], plan))
                 mixed[b] = stats.kept[b] = None
         return plan, score, hidden
+
+    def reconstructs(self, layer) -> bool:
+        return self.settings.reconstruct_epochs > 0 and not layer.sandwich
+
+    def reconstruct(self, i, layer, plan, mixed, targets, weights) -> list:
+        """Resize, then train the pruned MLP towards the refit's ``targets`` (reconstruct.reconstruct_mlp); returns
+        the layer's output per batch."""
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+            history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
+                                      self.settings.reconstruct_lr, seed=self.seed + i)
+            logger.info("layer %d reconstruction: relative error %s", i, " -> ".join(f"{e:.4f}" for e in history))
+            del targets
+            return _consume(mixed, layer.feed_forward)
 
     def shrink(self, i, layer, mixed, width, source_hidden):
         """AᵀA (and the residual target's AᵀY) summed batch by batch while the MLP runs up to its down projection,
@@ -352,17 +380,23 @@ class _LayerStep:
             return self.shrink_kept(i, layer, mixed, width, source_hidden)
         obs = self.importance == "obs"
         solve = obs or self.refit
-        cross = _Cross(down, mixed, source_hidden, self.policy) if solve and source_hidden is not None else None
+        weights = token_weights(self.settings.token_weighting, mixed)
+        rows = self.policy.rows(12 * down.in_features)
+        residual = solve and source_hidden is not None
+        cross = _Cross(down, mixed, source_hidden, self.policy, weights) if residual else None
+        weighted = _WeightedGram(down.in_features, weights, rows) if solve and weights is not None else None
+        sums = [f for f in (cross, weighted) if f is not None]
         with self.timer("calibrate"):
-            with activation_stats(down, gram=solve, stop=True, block_rows=self.policy.rows(12 * down.in_features),
-                                  on_batch=cross) as stats:
+            targets = _mlp_targets(layer, mixed, source_hidden) if self.reconstructs(layer) else None
+            with activation_stats(down, gram=solve and weights is None, stop=True, block_rows=rows,
+                                  on_batch=(lambda a: [f(a) for f in sums]) if sums else None) as stats:
                 for z in mixed:
                     try:
                         layer.feed_forward(z)
                     except StopForward:
                         pass
         score = self.scores(i, layer, stats)
-        gram, stats.gram = stats.gram, None
+        gram, stats.gram = stats.gram if weighted is None else weighted.gram, None
         with self.timer("rank"):  # cross.take(): AᵀY (I, d), held by the solve alone (freed as soon as it is used)
             if obs:
                 start = down.weight if cross is None else refit_kept(gram, cross.take(), damp=self.damp)
@@ -376,6 +410,8 @@ class _LayerStep:
                                                          block_rows=self.policy.rows(8 * len(gram)),
                                                          in_place=self.policy.solve_in_place(width))
             del gram
+        if targets is not None:
+            return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
             hidden = _consume(mixed, layer.feed_forward)
@@ -386,16 +422,18 @@ class _Cross:
     """The residual target's AᵀY = Σ_batches aᵀ(h_src − z − b) (I, d) fp64, one batch at a time from the
     statistics hook (batches in order), in row blocks of the policy's size."""
 
-    def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy):
-        self.bias, self.mixed, self.source_hidden = down.bias, mixed, source_hidden
+    def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy, weights=None):
+        self.bias, self.mixed, self.source_hidden, self.weights = down.bias, mixed, source_hidden, weights
         self.total = torch.zeros(down.in_features, down.out_features, dtype=torch.float64)
         self.rows, self.batch = policy.rows(12 * down.out_features), 0
 
     def __call__(self, a: torch.Tensor) -> None:
         target = self.source_hidden[self.batch] - self.mixed[self.batch]  # (B, S, d)
-        self.batch += 1
         if self.bias is not None:
             target = target - self.bias
+        if self.weights is not None:  # Aᵀ W Y
+            target = target * self.weights[self.batch][..., None]
+        self.batch += 1
         acts, target = a.flatten(0, 1).T.float(), target.flatten(0, 1).float()  # (I, N), (N, d)
         rows = self.rows or len(acts)
         for r in range(0, len(acts), rows):
@@ -405,6 +443,35 @@ class _Cross:
         """The sum, no longer held here."""
         total, self.total = self.total, None
         return total
+
+
+class _WeightedGram:
+    """Σ_batches Σ_n w_n a_nᵀ a_n (I, I) fp64 from the statistics hook (batches in order): the token-weighted
+    Gram matrix of the summed refit, in row blocks of ``rows``."""
+
+    def __init__(self, width: int, weights: list, rows: int | None):
+        self.gram = torch.zeros(width, width, dtype=torch.float64)
+        self.weights, self.rows, self.batch = weights, rows, 0
+
+    def __call__(self, a: torch.Tensor) -> None:
+        root = self.weights[self.batch].flatten().sqrt()[:, None]  # (N, 1)
+        self.batch += 1
+        add_gram(self.gram, a.flatten(0, 1).float() * root, self.rows)
+
+
+def _mlp_targets(layer, mixed, source_hidden, acts=None) -> list:
+    """What a pruned MLP is fitted to per batch (B, S, d): h_src − z (residual target), else the source MLP's own
+    output, from its recorded activations ``acts`` when given (consumed) or by running it."""
+    if source_hidden is not None:
+        return [h - z for h, z in zip(source_hidden, mixed)]
+    if acts is None:
+        return [layer.mlp(layer.post_attention_layernorm(z)) for z in mixed]
+    down = layer.mlp.down_proj
+    out = []
+    for b in range(len(acts)):
+        out.append(F.linear(acts[b].float(), down.weight.float(), down.bias))
+        acts[b] = None
+    return out
 
 
 def _consume(mixed: list, fn) -> list:
@@ -424,9 +491,11 @@ def _weights(mlp, width=None) -> dict:
     return out
 
 
-def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
+                 weights=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
-    all neurons, no copy of the activations).
+    all neurons, no copy of the activations); with ``weights`` (per batch, (B, S)), every token's row of a_K and Y
+    scaled by √w (the weighted system Σ w a_Kᵀ a_K, Σ w a_Kᵀ Y).
 
     Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
     the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
@@ -442,6 +511,9 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None) -> tupl
             target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
             if down.bias is not None:
                 target = target - down.bias.float()
+        if weights is not None:
+            root = weights[b].flatten().sqrt()[:, None]  # (N_b, 1)
+            a_k, target = a_k * root, target * root
         if gram is None:
             gram = torch.zeros(a_k.shape[1], a_k.shape[1], dtype=torch.float64, device=a.device)
             rhs = torch.zeros(a_k.shape[1], target.shape[1], dtype=torch.float64, device=a.device)

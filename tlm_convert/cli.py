@@ -20,6 +20,7 @@ from .errors import ConversionError, one_line
 from .export import FORMATS
 from .importance import METRICS
 from .outputs import temp_prefix
+from .reconstruct import TOKEN_WEIGHTINGS
 from .surgery import GROW_INITS
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
@@ -172,7 +173,8 @@ def _return_freed_memory() -> None:
 @click.option("--ratio", default="1.5/0.5", show_default=True, help="First/last layer width multipliers, A/B.")
 @click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
 @click.option("--calibration-data", default="default", show_default=True,
-              help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, or 'default' (bundled English).")
+              help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, or 'default' (bundled "
+                   "mixed-domain sample).")
 @click.option("--calibration-tokens", type=int, default=65536, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--importance", default=None,
@@ -184,6 +186,10 @@ def _return_freed_memory() -> None:
               help="Least-squares refit of pruned layers' down projections.")
 @click.option("--refit-target", default="residual", show_default=True, type=click.Choice(REFIT_TARGETS),
               help="Fit pruned MLPs to restore the source residual stream (residual) or their own output (local).")
+@click.option("--token-weighting", default="none", show_default=True, type=click.Choice(TOKEN_WEIGHTINGS),
+              help="Per-token weights of the refit: sink drops position 0, inv_norm also weighs by 1/|z|^2.")
+@click.option("--reconstruct-epochs", type=int, default=0, show_default=True,
+              help="Epochs of Adam on each pruned MLP (gate, up, down) towards the refit target after the refit.")
 @click.option("--mixer", default="attention", show_default=True,
               type=click.Choice(MIXER_CHOICES))
 @click.option("--export", "export_format", default="tlm", show_default=True,

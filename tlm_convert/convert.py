@@ -37,6 +37,7 @@ from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
 from .perplexity import perplexity
 from .surgery import GROW_INITS
+from .reconstruct import TOKEN_WEIGHTINGS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class ConvertOptions:
     grow_init: str = "noise"
     refit: bool = True
     refit_target: str = "residual"
+    token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
+    reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
     mixer: str = "attention"
     export: str = "tlm"
     eval_data: str | tuple[str, ...] | None = None  # one set or several (data.eval_sources; "all-eval": bundled)
@@ -79,7 +82,7 @@ class ConvertOptions:
             self.importance = "obs"
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, DTYPE_CHOICES)}
+                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS)}
         for name, (value, allowed) in choices.items():
             if value not in allowed and not (name == "importance" and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
@@ -92,6 +95,8 @@ class ConvertOptions:
         if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
             raise ConversionError(f"--export deci needs widths that are multiples of 256; --multiple-of "
                                   f"{self.multiple_of} is not (drop it, or use --export tlm)")
+        if self.reconstruct_epochs < 0:
+            raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         if self.refit_target not in REFIT_TARGETS:
             raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
         if self.calibration_tokens < self.seq_len:
@@ -169,6 +174,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
             src.state_dict = {}  # the model holds these tensors now
         settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
                                  refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed,
+                                 token_weighting=opts.token_weighting, reconstruct_epochs=opts.reconstruct_epochs,
                                  scores_needed=opts.mixer in SCORED_MIXERS)
         calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
         if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):

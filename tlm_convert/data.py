@@ -3,8 +3,9 @@
 Text comes through `datasets`: a local plain-text file (``.txt``, ``.md``, or any other suffix whose content is UTF-8
 text, such as ``wiki.test.raw``), ``.jsonl``/``.json`` or ``.parquet`` (a ``text`` column), a folder of such files,
 or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration, e.g.
-``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the general-English
-sample bundled with the package (``data/README.md`` gives its sources and licenses); ``"default-eval"`` is the
+``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the mixed-domain
+sample bundled with the package (English prose, C and Perl source, a software manual; ``data/README.md`` gives
+its sources and licenses); ``"default-eval"`` is the
 disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code`` and ``eval-legal`` are held-out samples
 of other domains than the calibration sample (``EVAL_SETS``; ``"all-eval"`` names all four).
 """
@@ -23,7 +24,7 @@ from .errors import ConversionError, one_line
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).parent / "data"
-BUNDLED = {"default": DATA_DIR / "calibration_en.txt", "default-eval": DATA_DIR / "eval_en.txt",
+BUNDLED = {"default": DATA_DIR / "calibration_mix.txt", "default-eval": DATA_DIR / "eval_en.txt",
            "eval-fiction": DATA_DIR / "eval_fiction.txt", "eval-code": DATA_DIR / "eval_code.txt",
            "eval-legal": DATA_DIR / "eval_legal.txt"}
 EVAL_SETS = ("default-eval", "eval-fiction", "eval-code", "eval-legal")  # what "all-eval" stands for

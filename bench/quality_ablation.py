@@ -1,0 +1,102 @@
+"""One row of the conversion-quality ablation (issue 10 items 2-3): convert SmolLM2-135M in memory with the default
+options plus overrides, and measure perplexity on every bundled evaluation set against the source.
+
+    python bench/quality_ablation.py NAME [--calibration-data SRC] [--calibration-tokens N] [--set FIELD=VALUE ...]
+
+``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
+the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
+seconds (user+sys of this process, all threads) and wall seconds are recorded. Evaluation: the first 16,384 tokens
+of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
+512``; the source's perplexities are cached in bench/results/quality/source.json. Writes
+bench/results/quality/NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers
+from tlm_convert.convert import ConvertOptions, plan_widths, resolve_importance
+from tlm_convert.data import load_text, token_blocks
+from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
+from tlm_convert.load import load_model
+from tlm_convert.perplexity import perplexity
+
+RESULTS = Path(__file__).parent / "results" / "quality"
+SOURCE = "smollm2-135m"
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def parse_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("--calibration-data", default="default")
+    ap.add_argument("--calibration-tokens", type=int, default=ConvertOptions.calibration_tokens)
+    ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model, tokenizer, src = load_model(SOURCE)
+    opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens)
+    opts.validate()
+    widths = plan_widths(src.tlm_config, opts)
+    resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
+    evalb = eval_set_blocks(tokenizer, "all-eval", opts.seq_len, opts.eval_tokens)
+    cache = RESULTS / "source.json"
+    before = json.loads(cache.read_text()) if cache.exists() else None
+    if before is None or set(before) != set(evalb):
+        before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
+        cache.write_text(json.dumps(before, indent=1))
+    settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
+                             refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
+    fields = {f.name for f in dataclasses.fields(LayerSettings)}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        if key not in fields:
+            raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
+        setattr(settings, key, parse_value(value))
+    calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
+    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    model.config.intermediate_sizes = list(widths)
+    after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
+    entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
+    row = {"name": args.name, "calibration_data": args.calibration_data, "calibration_tokens": int(calib.numel()),
+           "settings": dataclasses.asdict(settings), "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
+           "threads": torch.get_num_threads(),
+           "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
+                                "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},
+           "ood_geomean": entries.get("perplexity_ratio_ood_geomean")}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(row, indent=1))
+    ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in row["sets"].items())
+    print(f"{args.name}: ood_geomean={row['ood_geomean']:.4f} {ratios} cpu={cpu:.0f}s wall={wall:.0f}s")
+    assert math.isfinite(row["ood_geomean"])
+
+
+if __name__ == "__main__":
+    main()
