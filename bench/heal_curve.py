@@ -51,6 +51,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("converted", help="a tlm-convert output folder (converted with --eval-data all-eval)")
     parser.add_argument("--source", default=None, help="the teacher [the report's source]")
+    parser.add_argument("--baseline", default=None,
+                        help="a JSON with the report's keys (perplexity_sets, source, calibration_data, seq_len, seed) "
+                             "for a converted folder converted without --eval-data all-eval")
     parser.add_argument("--work", required=True, help="folder of the training run (resumed when it exists)")
     parser.add_argument("--points", type=int, nargs="+", default=[25000, 50000, 100000, 200000, 400000])
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="recipe override key=value")
@@ -61,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    report = json.loads((Path(args.converted) / "conversion_report.json").read_text())
+    report = json.loads(Path(args.baseline or Path(args.converted) / "conversion_report.json").read_text())
     sets = report["perplexity_sets"]
     before = {s["data"]: s["before"] for s in sets}
     in_domain = {s["data"]: s["in_domain"] for s in sets}
@@ -73,13 +76,22 @@ def main() -> None:
     else:  # a cheaper evaluation than the report's: point 0 measured the same way
         zero = {name: perplexity(load_model(args.converted, with_tokenizer=False)[0], blocks)
                 for name, blocks in evalb.items()}
-    result = {"converted": args.converted, "teacher": teacher, "overrides": args.overrides,
+    result = {"converted": args.converted, "baseline": args.baseline, "teacher": teacher, "overrides": args.overrides,
               "eval_tokens": args.eval_tokens, "seq_len": report["seq_len"], "threads": args.threads,
               "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
               "source_perplexity": before,
               "points": [{"tokens": 0, "wall_seconds": 0.0, "cpu_seconds": 0.0, **ratios(before, zero, in_domain)}]}
     wall = cpu = 0.0
+    out = Path(args.out)
+    if not args.append and out.is_file():  # a rerun into the same --work goes on from the points measured
+        done = json.loads(out.read_text())
+        if done.get("work") == args.work and done.get("overrides") == args.overrides:
+            result["points"] = done["points"]
+            wall, cpu = done["points"][-1]["wall_seconds"], done["points"][-1]["cpu_seconds"]
+    result["work"] = args.work
     for tokens in args.points:
+        if any(p["tokens"] >= tokens for p in result["points"][1:]):
+            continue
         recipe = heal_recipe(args.converted, teacher, report["calibration_data"], tokens, args.work,
                              report["seq_len"], report["seed"], overrides=tuple(args.overrides))
         resume = bool(list_checkpoints(Path(args.work))) if Path(args.work).exists() else False

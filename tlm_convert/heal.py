@@ -41,7 +41,7 @@ KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
-    "optim": {"lr": 1.0e-4, "min_lr": 1.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
+    "optim": {"lr": 3.0e-4, "min_lr": 3.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
               "grad_clip": 1.0},
     "train": {"batch_size": 2, "grad_accum": 1, "trainable": None},  # 2 x seq_len tokens a step; every parameter
     "log": {"every": 5, "eval_every": 0, "save_every": 1_000_000, "keep_last": 1, "tensorboard": False},
