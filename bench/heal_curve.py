@@ -105,17 +105,17 @@ def main() -> None:
         result["points"].append(point)
         print(json.dumps({k: point[k] for k in ("tokens", "wall_seconds", "cpu_seconds", "ood_geomean")}),
               flush=True)
-        write(result, args)
+        if not args.append:
+            write(result, args)
     write(result, args)
 
 
 def write(result: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.append:
-        if len(result["points"]) == len(args.points) + 1:
-            with open(out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    if args.append:  # one line per finished run
+        with open(out, "a") as f:
+            f.write(json.dumps(result) + "\n")
     else:
         out.write_text(json.dumps(result, indent=1))
 
