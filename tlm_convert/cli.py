@@ -204,6 +204,8 @@ def _return_freed_memory() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
+@click.option("--heal-tokens", type=int, default=0, show_default=True,
+              help="Then distil from the source for this many calibration tokens (tlm train; 0: no heal).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (atomically; never an input).")
 @click.option("--trust-remote-code", is_flag=True,
               help="Let the source's tokenizer run its own Python code (auto_map); only for sources you trust.")
@@ -244,6 +246,8 @@ class _PhaseBars:
         if name == self.current:
             return
         self.current = name
+        if name == "heal":  # the layer loop is over; the training run shows its own bar
+            self.close()
         if self.bar is not None:
             self.bar.set_postfix_str(name)
         else:
@@ -277,6 +281,10 @@ def _summary(report: dict, output: str) -> None:
 
         for line in perplexity_lines(report):
             click.echo(f"perplexity {line}")
+    if "heal" in report:
+        h = report["heal"]
+        click.echo(f"heal: {h['tokens']:,} tokens of distillation from the source in {h['seconds']:.1f}s "
+                   f"({h['cpu_seconds']:.0f} CPU s), loss {h['first_loss']:.4f} -> {h['last_loss']:.4f}")
     seconds = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items())
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
 

@@ -32,6 +32,7 @@ from .data import load_text, token_blocks
 from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
+from .heal import check_heal, heal
 from .importance import METRICS
 from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
@@ -73,6 +74,7 @@ class ConvertOptions:
     low_memory: bool = False
     overwrite: bool = False
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
+    heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
 
     def validate(self) -> None:
         """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "obs" (structured
@@ -99,6 +101,7 @@ class ConvertOptions:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         if self.refit_target not in REFIT_TARGETS:
             raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
+        check_heal(self.heal_tokens, self.seq_len, self.low_memory)
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
                                   f"--seq-len {self.seq_len}; raise it or lower --seq-len")
@@ -122,7 +125,7 @@ class PhaseTimer:
             yield
         finally:
             self._running.remove((phase, start))
-            self.seconds[phase] += time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def snapshot(self) -> dict[str, float]:
         """Seconds per phase up to now, counting the time already spent in phases still running (the report is
@@ -130,7 +133,7 @@ class PhaseTimer:
         now = time.perf_counter()
         seconds = dict(self.seconds)
         for phase, start in self._running:
-            seconds[phase] += now - start
+            seconds[phase] = seconds.get(phase, 0.0) + now - start
         return seconds
 
     def quiet(self) -> PhaseTimer:
@@ -205,6 +208,9 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
     report["importance_profile"] = result.importance_profile()
 
     def write_model(tmp: Path) -> None:
+        nonlocal final
+        if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
+            final = heal(final, source, src, tmp, opts, evalb, report, timer)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 

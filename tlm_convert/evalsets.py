@@ -46,11 +46,14 @@ def perplexity_lines(report: dict) -> list[str]:
     """One line per evaluation set and one for the out-of-domain geometric mean (CLI summary and report.md)."""
     sets = report.get("perplexity_sets") or []
     lines = [f"on {s['data']}{' (calibration domain)' if s['in_domain'] else ''}: {s['before']:.3f} before, "
-             f"{s['after']:.3f} after (x{s['ratio']:.3f})" for s in sets]
+             f"{s['after']:.3f} after (x{s['ratio']:.3f})"
+             + (f", {s['healed']:.3f} healed (x{s['healed_ratio']:.3f})" if "healed" in s else "") for s in sets]
     if "perplexity_ratio_ood_geomean" in report:
         n = sum(not s["in_domain"] for s in sets)
-        lines.append(f"ratio x{report['perplexity_ratio_ood_geomean']:.3f}, geometric mean over the {n} "
-                     f"out-of-domain set{'s' if n > 1 else ''}")
+        healed = report.get("perplexity_ratio_ood_geomean_healed")
+        lines.append(f"ratio x{report['perplexity_ratio_ood_geomean']:.3f}"
+                     + (f" after conversion, x{healed:.3f} healed" if healed is not None else "")
+                     + f", geometric mean over the {n} out-of-domain set{'s' if n > 1 else ''}")
     return lines
 
 

@@ -48,7 +48,9 @@ def write_markdown(report: dict, path: Path) -> None:
     ]
     if "perplexity_before" in report:
         lines.append("- perplexity before and after conversion, no training (quality returns with continued "
-                     "pretraining):")
+                     "pretraining):" if "heal" not in report else
+                     f"- perplexity before and after conversion, and after healing ({report['heal']['tokens']:,} "
+                     "tokens of logit distillation from the source):")
         lines += [f"  - {line}" for line in perplexity_lines(report)]
     lines += ["", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in report["seconds"].items()]

@@ -72,6 +72,7 @@ class TrainSpec:
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun; fsdp shards per decoder layer
     gradient_checkpointing: bool = False
     num_threads: int | None = None  # torch CPU threads per process
+    trainable: list[str] | None = None  # parameter-name patterns (fnmatch, e.g. '*.mlp.*') that train; None: all
 
 
 @dataclass
@@ -313,6 +314,9 @@ def _check_semantics(r: Recipe) -> list[str]:
             errors.append(f"distill.alpha: must be in [0, 1], got {r.distill.alpha}")
         if r.distill.temperature <= 0:
             errors.append(f"distill.temperature: must be > 0, got {r.distill.temperature}")
+    if r.train.trainable is not None and (not r.train.trainable or not all(r.train.trainable)):
+        errors.append(f"train.trainable: expected a non-empty list of parameter-name patterns or null (all train), "
+                      f"got {r.train.trainable}")
     if r.train.num_threads is not None and r.train.num_threads < 1:
         errors.append(f"train.num_threads: must be >= 1, got {r.train.num_threads}")
     return errors

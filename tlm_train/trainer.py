@@ -184,6 +184,21 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     return model, source_tokenizer(src)
 
 
+def select_trainable(model, patterns: list[str]) -> int:
+    """Freeze every parameter whose name matches none of ``patterns`` (fnmatch, e.g. ``*.mlp.*``); returns the
+    number of trainable parameters. RecipeError when no parameter matches."""
+    from fnmatch import fnmatchcase
+
+    count = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(fnmatchcase(name, pat) for pat in patterns))
+        count += p.numel() if p.requires_grad else 0
+    if count == 0:
+        raise RecipeError(f"train.trainable {patterns}: no parameter name matches (names look like "
+                          f"{next(iter(dict(model.named_parameters())))!r})")
+    return count
+
+
 def _param_groups(model, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for p in model.parameters():
@@ -363,6 +378,8 @@ class _Run:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         model.train()
+        if r.train.trainable is not None:
+            select_trainable(model, r.train.trainable)
         self.teacher = None
         if r.distill is not None:
             teacher, _ = load_pretrained(r.distill.teacher, with_tokenizer=False)
@@ -799,5 +816,5 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
-__all__ = ["train", "TrainResult", "TrainError", "lr_factor", "lm_loss", "distill_loss", "list_checkpoints",
+__all__ = ["train", "TrainResult", "TrainError", "lr_factor", "select_trainable", "lm_loss", "distill_loss", "list_checkpoints",
            "build_model_and_tokenizer", "load_pretrained"]

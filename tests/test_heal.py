@@ -1,0 +1,188 @@
+"""``tlm-convert --heal-tokens``: logit distillation from the source right after conversion (tlm_convert.heal)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from tiny_sources import DATA, make_source, tiny_tokenizer
+
+from tlm_convert import heal as heal_module
+from tlm_convert.cli import convert_main
+from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.data import token_blocks
+from tlm_convert.load import load_model
+from tlm_train.trainer import distill_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+# a lossy conversion of the tiny source (no refit, a steep taper), so that distillation has something to recover
+FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "256", "--seq-len", "64", "--batch-size", "4",
+        "--multiple-of", "1", "--importance", "activation", "--no-refit", "--ratio", "1.8/0.2"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+       "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """The tiny llama source with its embeddings and MLPs scaled up 8x: peaked next-token distributions, which the
+    lossy conversion of FAST changes (KL about 0.7 per position; a random tiny model's are near uniform)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_source(tmp_path_factory.mktemp("heal") / "llama", "llama", tokenizer=tiny_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." in name or "embed_tokens" in name:
+                p.mul_(8)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def fast_lr(monkeypatch):
+    """A learning rate that moves a tiny random model visibly in a few steps (the default suits SmolLM2)."""
+    recipe = copy.deepcopy(heal_module.HEAL_RECIPE)
+    recipe["optim"].update(lr=3e-3, min_lr=3e-3, warmup_steps=1)
+    monkeypatch.setattr(heal_module, "HEAL_RECIPE", recipe)
+
+
+def _convert(args):
+    return CliRunner().invoke(convert_main, [str(a) for a in args])
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def _kd(student_dir: Path, teacher_dir: Path) -> float:
+    """KL(source || model) per position on the first 8 blocks of the calibration text."""
+    teacher, tokenizer, _ = load_model(str(teacher_dir))
+    student, _, _ = load_model(str(student_dir), with_tokenizer=False)
+    blocks = token_blocks(tokenizer, DATA.read_text(), 64, 512, spread=False)
+    with torch.no_grad():
+        return float(distill_loss(student(input_ids=blocks).logits, teacher(input_ids=blocks).logits, 1.0))
+
+
+def test_heal_lowers_the_distillation_loss_and_reports_three_perplexities(source, tmp_path, fast_lr):
+    plain, healed = tmp_path / "plain", tmp_path / "healed"
+    assert _convert([source, "-o", plain, *FAST]).exit_code == 0
+    res = _convert([source, "-o", healed, *FAST, "--heal-tokens", 4096, "--eval-data", DATA,
+                    "--eval-data", "default-eval", "--eval-tokens", 512])
+    assert res.exit_code == 0, res.output
+    assert _kd(healed, source) < 0.8 * _kd(plain, source)
+
+    report = json.loads((healed / "conversion_report.json").read_text())
+    assert report["heal"]["tokens"] == 4096 and report["heal"]["steps"] == 32
+    for s in report["perplexity_sets"]:
+        assert {"before", "after", "healed", "healed_ratio"} <= set(s)
+        assert s["healed_ratio"] == pytest.approx(s["healed"] / s["before"])
+    assert "perplexity_ratio_ood_geomean_healed" in report
+    healed_lines = [ln for ln in res.output.splitlines() if "healed" in ln and ln.startswith("perplexity on")]
+    assert len(healed_lines) == 2, res.output
+    assert "after healing (4,096 tokens" in (healed / "report.md").read_text()
+    # the heal's log is kept, its checkpoints and work folder are not
+    assert sorted(p.name for p in (healed / "heal").iterdir()) == ["metrics.jsonl", "recipe.yaml",
+                                                                   "run_summary.json"]
+    assert not list(healed.rglob("checkpoint-*")) and not list(tmp_path.glob(".*tmp*"))
+    metrics = [json.loads(ln) for ln in (healed / "heal" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 32
+    # the healed model loads and is not the plain conversion
+    assert _digest(plain)["model.safetensors"] != _digest(healed)["model.safetensors"]
+
+
+def test_zero_heal_tokens_is_exactly_the_plain_conversion(source, tmp_path):
+    a = convert(str(source), str(tmp_path / "a"), ConvertOptions(**_options()))
+    b = convert(str(source), str(tmp_path / "b"), ConvertOptions(**_options(), heal_tokens=0))
+    da, db = _digest(tmp_path / "a"), _digest(tmp_path / "b")
+    assert da.pop("conversion_report.json") and db.pop("conversion_report.json")
+    da.pop("report.md"), db.pop("report.md")  # they differ in the seconds only
+    assert da == db and "heal" not in a and "heal" not in b
+    assert not (tmp_path / "b" / "heal").exists()
+
+
+def _options() -> dict:
+    return dict(calibration_data=str(DATA), calibration_tokens=256, seq_len=64, batch_size=4, multiple_of=1,
+                importance="activation", refit=False, ratio="1.8/0.2")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--heal-tokens", "-5"], "must be 0 (no heal) or a positive"),
+    (["--heal-tokens", "100"], "less than one training step (128 tokens"),
+    (["--heal-tokens", "1024", "--low-memory"], "drop --low-memory"),
+])
+def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
+    res = _convert([source, "-o", tmp_path / "out", *FAST, *args])
+    assert res.exit_code not in (0, None)
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0] and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def _heal_process(source: Path, out: Path, extra=()) -> subprocess.Popen:
+    args = [sys.executable, "-m", "tlm_convert", str(source), "-o", str(out), *FAST, "--heal-tokens", "100000000",
+            *extra]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _wait_for_training(parent: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(m.read_text().strip() for m in parent.glob(".*tmp*/heal-work/train/metrics.jsonl")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the heal did not start: {proc.communicate()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_an_interrupted_heal_leaves_the_output_untouched(source, tmp_path, sig):
+    """A kill during the heal (real signals to a real tlm-convert) leaves the previous OUTPUT as it was; SIGTERM
+    stops the training at a step boundary and exits 130 with no temporary folder left; after SIGKILL the next run
+    into OUTPUT removes what the dead one left."""
+    out = tmp_path / "out"
+    assert _convert([source, "-o", out, *FAST]).exit_code == 0
+    before = _digest(out)
+    proc = _heal_process(source, out, ["--overwrite"])
+    _wait_for_training(tmp_path, proc)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert _digest(out) == before
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130 and "error: interrupted" in stderr, stdout + stderr
+        assert not list(tmp_path.glob(".*tmp*"))
+    else:
+        assert list(tmp_path.glob(".*tmp*"))  # the dead run's folder, removed by the next run
+        assert _convert([source, "-o", out, *FAST, "--overwrite"]).exit_code == 0
+        assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_the_heal_recipe_file_has_the_heal_defaults():
+    """recipes/cpt/smollm2-135m-heal.yaml does what --heal-tokens does (same optimizer, distillation, batch)."""
+    recipe = yaml.safe_load((ROOT / "recipes" / "cpt" / "smollm2-135m-heal.yaml").read_text())
+    for section in ("distill", "optim", "train"):
+        for key, value in heal_module.HEAL_RECIPE[section].items():
+            assert recipe[section].get(key) == value, f"{section}.{key}"
+
+
+def test_trainable_patterns_freeze_the_rest(source, tmp_path):
+    from tlm_train.recipe import RecipeError
+    from tlm_train.trainer import select_trainable
+
+    model, _, _ = load_model(str(source), with_tokenizer=False)
+    n = select_trainable(model, ["*.mlp.*"])
+    mlp = [p for name, p in model.named_parameters() if ".mlp." in name]
+    assert n == sum(p.numel() for p in mlp) and all(p.requires_grad for p in mlp)
+    assert not any(p.requires_grad for name, p in model.named_parameters() if ".mlp." not in name)
+    with pytest.raises(RecipeError, match="no parameter name matches"):
+        select_trainable(model, ["nothing.*"])

@@ -1,0 +1,157 @@
+"""``tlm-convert --heal-tokens N``: logit distillation from the source right after the conversion.
+
+The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input
+checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: checkpoints,
+metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (the measured defaults, bench/RESULTS.md "Heal";
+recipes/cpt/smollm2-135m-heal.yaml is the same recipe for longer runs). The learning rate is constant after a short
+warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run).
+
+Everything is written inside the conversion's temporary folder (tlm_convert.outputs.staged), so a failed or killed
+heal leaves OUTPUT untouched::
+
+    .OUT.tmp-XXXX/heal-work/converted/   the converted model before healing (the student's start, TLM format)
+    .OUT.tmp-XXXX/heal-work/train/       the training run (checkpoints, metrics.jsonl, final/)
+
+On success the work folder is removed and OUT/heal/ keeps the run's metrics.jsonl, recipe.yaml and
+run_summary.json; the healed weights are what OUT gets, in the requested format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import resource
+import shutil
+import time
+from pathlib import Path
+
+from .errors import ConversionError
+
+logger = logging.getLogger(__name__)
+
+HEAL_DIR = "heal"  # in OUT: the heal's metrics.jsonl, recipe.yaml, run_summary.json
+WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is published
+KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
+
+# The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
+# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. On SmolLM2-135M at 25k tokens, lr 1e-4
+# and MLP-only training came within 1.2% of these (bench/RESULTS.md, "Heal": curve and sweep); temperature and alpha
+# were not swept. recipes/cpt/smollm2-135m-heal.yaml carries the same values.
+HEAL_RECIPE = {
+    "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
+    "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
+    "optim": {"lr": 3.0e-4, "min_lr": 3.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
+              "grad_clip": 1.0},
+    "train": {"batch_size": 2, "grad_accum": 1, "trainable": None},  # 2 x seq_len tokens a step; every parameter
+    "log": {"every": 5, "eval_every": 0, "save_every": 1_000_000, "keep_last": 1, "tensorboard": False},
+}
+
+
+def tokens_per_step(seq_len: int) -> int:
+    return HEAL_RECIPE["train"]["batch_size"] * HEAL_RECIPE["train"]["grad_accum"] * seq_len
+
+
+def check_heal(tokens: int, seq_len: int, low_memory: bool) -> None:
+    """ConversionError for a --heal-tokens value or combination that cannot train."""
+    if tokens < 0:
+        raise ConversionError(f"--heal-tokens {tokens}: must be 0 (no heal) or a positive number of tokens")
+    if tokens == 0:
+        return
+    if low_memory:
+        raise ConversionError("--heal-tokens trains the whole model in memory; drop --low-memory, or heal "
+                              "afterwards with tlm train recipes/cpt/smollm2-135m-heal.yaml")
+    if tokens < tokens_per_step(seq_len):
+        raise ConversionError(f"--heal-tokens {tokens} is less than one training step ({tokens_per_step(seq_len)} "
+                              f"tokens at --seq-len {seq_len}); raise it or use 0 for no heal")
+
+
+def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: str, seq_len: int, seed: int = 0,
+                device: str = "cpu", trust_remote_code: bool = False, progress: bool = False,
+                overrides: tuple[str, ...] = ()):
+    """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data``; ``overrides``:
+    ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py)."""
+    from tlm_train.recipe import RecipeError, recipe_from_dict
+
+    spec = copy.deepcopy(HEAL_RECIPE)
+    spec.update(output_dir=output_dir, init_from=student, seed=seed, trust_remote_code=trust_remote_code)
+    spec["distill"]["teacher"] = teacher
+    spec["data"].update(train=data, seq_len=seq_len, eval_tokens=max(spec["data"]["eval_tokens"], seq_len))
+    spec["train"].update(max_steps=math.ceil(tokens / tokens_per_step(seq_len)), device=device)
+    spec["log"]["progress"] = progress
+    try:
+        return recipe_from_dict(spec, overrides, name="heal recipe")
+    except RecipeError as err:
+        raise ConversionError(str(err).replace("\n", ";")) from None
+
+
+def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
+    """Distil the converted ``model`` from ``teacher`` for ``opts.heal_tokens`` tokens inside ``tmp`` (the
+    conversion's temporary folder); return the healed TLMForCausalLM. Adds ``report["heal"]`` and, with
+    evaluation sets, each set's perplexity after healing. KeyboardInterrupt when the run was stopped (SIGINT,
+    SIGTERM or a STOP file): OUTPUT is then left as it was."""
+    from tlm_train.recipe import RecipeError
+    from tlm_train.trainer import TrainError, train
+
+    from .export import export_model
+    from .load import load_model
+
+    work = tmp / WORK_DIR
+    with timer("heal"):
+        student = export_model(model, work / "converted", "tlm", src)
+        recipe = heal_recipe(str(student), teacher, opts.calibration_data, opts.heal_tokens, str(work / "train"),
+                             opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
+                             progress=timer.on_phase is not None)
+        cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+        try:
+            result = train(recipe)
+        except (TrainError, RecipeError) as err:
+            raise ConversionError(f"heal: {err}") from None
+        if result.stopped:
+            raise KeyboardInterrupt(f"heal stopped by {result.stop_reason}")
+        healed, _, _ = load_model(str(result.final_dir), device=opts.device, with_tokenizer=False)
+        report["heal"] = {"tokens": result.tokens, "steps": result.steps, "seconds": time.perf_counter() - wall0,
+                          "cpu_seconds": _cpu_seconds() - cpu0, "first_loss": result.losses[0],
+                          "last_loss": result.losses[-1], "recipe": recipe.to_dict()}
+        _keep_log(result.output_dir, tmp / HEAL_DIR)
+        shutil.rmtree(work)
+    if evalb is not None:
+        from .perplexity import perplexity
+
+        with timer("eval"):
+            healed_ppl = {name: perplexity(healed, blocks, opts.batch_size) for name, blocks in evalb.items()}
+        report.update(healed_entries(report, healed_ppl))
+    return healed
+
+
+def healed_entries(report: dict, healed: dict[str, float]) -> dict:
+    """The report's perplexity keys with each set's perplexity after healing added (``healed``, ``healed_ratio``
+    to the source) and ``perplexity_ratio_ood_geomean_healed``."""
+    sets = [{**s, "healed": healed[s["data"]], "healed_ratio": healed[s["data"]] / s["before"]}
+            for s in report["perplexity_sets"]]
+    out = {"perplexity_sets": sets, "perplexity_healed": sets[0]["healed"]}
+    ood = [s["healed_ratio"] for s in sets if not s["in_domain"]]
+    if ood:
+        out["perplexity_ratio_ood_geomean_healed"] = math.exp(sum(math.log(r) for r in ood) / len(ood))
+    return out
+
+
+def _keep_log(run: Path, dest: Path) -> None:
+    dest.mkdir()
+    for name in KEPT_FILES:
+        if (run / name).is_file():
+            shutil.copy2(run / name, dest / name)
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+__all__ = ["HEAL_RECIPE", "HEAL_DIR", "check_heal", "heal_recipe", "heal", "healed_entries", "tokens_per_step"]
