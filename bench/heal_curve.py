@@ -21,30 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import resource
 import time
 from pathlib import Path
 
 import torch
 
-from tlm_convert.evalsets import eval_set_blocks
+from tlm_convert.evalsets import eval_set_blocks, geomean
 from tlm_convert.heal import heal_recipe
 from tlm_convert.load import load_model
 from tlm_convert.perplexity import perplexity
 from tlm_train.trainer import list_checkpoints, train
 
 
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def ratios(before: dict[str, float], after: dict[str, float], in_domain: dict[str, bool]) -> dict:
     sets = {name: after[name] / before[name] for name in after}
     ood = [r for name, r in sets.items() if not in_domain[name]]
-    return {"perplexity": after, "ratio": sets, "ood_geomean": math.exp(sum(map(math.log, ood)) / len(ood))}
+    return {"perplexity": after, "ratio": sets, "ood_geomean": geomean(ood)}
 
 
 def main() -> None:
@@ -95,9 +88,9 @@ def main() -> None:
         recipe = heal_recipe(args.converted, teacher, report["calibration_data"], tokens, args.work,
                              report["seq_len"], report["seed"], overrides=tuple(args.overrides))
         resume = bool(list_checkpoints(Path(args.work))) if Path(args.work).exists() else False
-        cpu0, wall0 = cpu_seconds(), time.perf_counter()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         run = train(recipe, resume=resume or None)
-        wall, cpu = wall + time.perf_counter() - wall0, cpu + cpu_seconds() - cpu0
+        wall, cpu = wall + time.perf_counter() - wall0, cpu + time.process_time() - cpu0
         model, _, _ = load_model(str(run.final_dir), with_tokenizer=False)
         after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}
         point = {"tokens": run.tokens, "steps": run.steps, "wall_seconds": wall, "cpu_seconds": cpu,

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import math
-import resource
 import time
 from pathlib import Path
 
@@ -33,11 +32,6 @@ from tlm_convert.perplexity import perplexity
 
 RESULTS = Path(__file__).parent / "results" / "quality"
 SOURCE = "smollm2-135m"
-
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def parse_value(text: str):
@@ -80,9 +74,9 @@ def main() -> None:
             raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
         setattr(settings, key, parse_value(value))
     calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
-    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
-    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)

@@ -38,8 +38,12 @@ def perplexity_entries(before: dict[str, float], after: dict[str, float], calibr
            "perplexity_ratio": first["ratio"], "perplexity_sets": sets}
     ood = [s["ratio"] for s in sets if not s["in_domain"]]
     if ood:
-        out["perplexity_ratio_ood_geomean"] = math.exp(sum(math.log(r) for r in ood) / len(ood))
+        out["perplexity_ratio_ood_geomean"] = geomean(ood)
     return out
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def perplexity_lines(report: dict) -> list[str]:

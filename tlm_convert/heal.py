@@ -19,15 +19,14 @@ run_summary.json; the healed weights are what OUT gets, in the requested format.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-import resource
 import shutil
 import time
 from pathlib import Path
 
 from .errors import ConversionError
+from .evalsets import geomean
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
         recipe = heal_recipe(str(student), teacher, opts.calibration_data, opts.heal_tokens, str(work / "train"),
                              opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
                              progress=timer.on_phase is not None)
-        cpu0, wall0 = _cpu_seconds(), time.perf_counter()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         try:
             result = train(recipe)
         except (TrainError, RecipeError) as err:
@@ -112,7 +111,7 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
             raise KeyboardInterrupt(f"heal stopped by {result.stop_reason}")
         healed, _, _ = load_model(str(result.final_dir), device=opts.device, with_tokenizer=False)
         report["heal"] = {"tokens": result.tokens, "steps": result.steps, "seconds": time.perf_counter() - wall0,
-                          "cpu_seconds": _cpu_seconds() - cpu0, "first_loss": result.losses[0],
+                          "cpu_seconds": time.process_time() - cpu0, "first_loss": result.losses[0],
                           "last_loss": result.losses[-1], "recipe": recipe.to_dict()}
         _keep_log(result.output_dir, tmp / HEAL_DIR)
         shutil.rmtree(work)
@@ -133,7 +132,7 @@ def healed_entries(report: dict, healed: dict[str, float]) -> dict:
     out = {"perplexity_sets": sets, "perplexity_healed": sets[0]["healed"]}
     ood = [s["healed_ratio"] for s in sets if not s["in_domain"]]
     if ood:
-        out["perplexity_ratio_ood_geomean_healed"] = math.exp(sum(math.log(r) for r in ood) / len(ood))
+        out["perplexity_ratio_ood_geomean_healed"] = geomean(ood)
     return out
 
 
@@ -142,16 +141,6 @@ def _keep_log(run: Path, dest: Path) -> None:
     for name in KEPT_FILES:
         if (run / name).is_file():
             shutil.copy2(run / name, dest / name)
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU seconds of this process (all its threads)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 __all__ = ["HEAL_RECIPE", "HEAL_DIR", "check_heal", "heal_recipe", "heal", "healed_entries", "tokens_per_step"]
