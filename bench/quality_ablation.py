@@ -65,8 +65,7 @@ def main() -> None:
     if before is None or set(before) != set(evalb):
         before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
         cache.write_text(json.dumps(before, indent=1))
-    settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
-                             refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
+    settings = opts.layer_settings()
     fields = {f.name for f in dataclasses.fields(LayerSettings)}
     for item in args.set:
         key, value = item.split("=", 1)

@@ -76,6 +76,13 @@ class ConvertOptions:
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
 
+    def layer_settings(self) -> LayerSettings:
+        """What the layer loop (calibrate.convert_layers) takes from these options."""
+        return LayerSettings(importance=self.importance, grow_init=self.grow_init, refit=self.refit,
+                             refit_target=self.refit_target, batch_size=self.batch_size, seed=self.seed,
+                             token_weighting=self.token_weighting, reconstruct_epochs=self.reconstruct_epochs,
+                             scores_needed=self.mixer in SCORED_MIXERS)
+
     def validate(self) -> None:
         """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "obs" (structured
         OBS, the best variant measured on SmolLM2, bench/RESULTS.md); with ``low_memory`` the default is chosen
@@ -175,10 +182,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         model = None if opts.low_memory else materialize(src.tlm_config, src.state_dict).to(opts.device).eval()
         if model is not None:
             src.state_dict = {}  # the model holds these tensors now
-        settings = LayerSettings(importance=opts.importance, grow_init=opts.grow_init, refit=opts.refit,
-                                 refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed,
-                                 token_weighting=opts.token_weighting, reconstruct_epochs=opts.reconstruct_epochs,
-                                 scores_needed=opts.mixer in SCORED_MIXERS)
+        settings = opts.layer_settings()
         calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
         if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
             calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)

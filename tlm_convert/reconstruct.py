@@ -51,8 +51,7 @@ def reconstruct_mlp(layer, mixed: list[torch.Tensor], targets: list[torch.Tensor
     flags = [p.requires_grad for p in params]
     with torch.no_grad():
         inputs = [norm(z) for z in mixed]  # (B, S, d): the norm is not trained
-    ones = [torch.ones(z.shape[:2], dtype=torch.float32, device=z.device) for z in mixed]
-    weights = weights or ones
+    weights = weights or [torch.ones(z.shape[:2], dtype=torch.float32, device=z.device) for z in mixed]
     scale = float(sum((w[..., None] * y.float().pow(2)).sum() for w, y in zip(weights, targets)))
     history = [_error(mlp, inputs, targets, weights) / scale]
     generator = torch.Generator().manual_seed(seed)
