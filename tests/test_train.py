@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import tlm_train.data as data_module
 from tlm_train.data import BatchOrder, byte_tokenizer, tokenize_cached
 from tlm_train.recipe import RecipeError, load_recipe, recipe_from_dict
-from tlm_train.trainer import TrainError, distill_loss, list_checkpoints, lr_factor, train
+from tlm_train.trainer import TrainError, distill_loss, hidden_loss, list_checkpoints, lr_factor, train
 
 DATA = Path(__file__).parent / "data" / "shakespeare_slice.txt"
 ROOT = Path(__file__).parent.parent
@@ -165,6 +165,18 @@ def test_distill_loss_is_the_kl_divergence():
     assert torch.allclose(distill_loss(s, t, 2.0), manual, atol=1e-6)
 
 
+def test_hidden_loss_is_the_relative_residual_error_per_token():
+    gen = torch.Generator().manual_seed(0)
+    t = tuple(torch.randn(2, 5, 7, generator=gen) for _ in range(4))  # embeddings + 3 layers
+    s = tuple(x + 0.1 * torch.randn(x.shape, generator=gen) for x in t)
+    assert hidden_loss(t, t) == 0
+    s0 = (t[0] + 100,) + s[1:]  # the embeddings (index 0) do not count
+    manual = torch.stack([((a - b).square().sum(-1) / b.square().sum(-1)).mean() for a, b in zip(s[1:], t[1:])])
+    assert torch.allclose(hidden_loss(s0, t), manual.mean(), rtol=1e-6)
+    with pytest.raises(TrainError, match="teacher of the student's depth: 2 layers against 3"):
+        hidden_loss(s, t[:3])
+
+
 # ---------------------------------------------------------------------------------------------- runs
 
 
@@ -249,6 +261,18 @@ def test_continued_pretraining_with_distillation(tmp_path):
     assert result.losses[0] == pytest.approx(0.0, abs=1e-6)
     assert max(result.losses) < 0.05
     assert result.eval_loss == pytest.approx(base.eval_loss, abs=0.05)
+
+
+def test_distillation_of_the_residual_streams_adds_to_the_first_loss(tmp_path):
+    teacher = str(train(recipe_from_dict(tiny_recipe(tmp_path, "base", train={"max_steps": 2}))).final_dir)
+    first = {}
+    for weight in (0.0, 1.0):  # a fresh student (another seed) against the trained teacher, same data order
+        run = tiny_recipe(tmp_path, f"hw{weight}", seed=4, train={"max_steps": 1},
+                          distill={"teacher": teacher, "alpha": 1.0, "hidden_weight": weight})
+        first[weight] = train(recipe_from_dict(run)).losses[0]
+    assert first[1.0] > first[0.0] + 0.1  # a random student's residual streams are far from the teacher's
+    with pytest.raises(RecipeError, match="distill.hidden_weight: must be >= 0"):
+        recipe_from_dict(tiny_recipe(tmp_path, distill={"teacher": teacher, "hidden_weight": -1.0}))
 
 
 def _torchrun(tmp_path, recipe: dict, nproc: int = 2) -> subprocess.CompletedProcess:

@@ -87,11 +87,13 @@ class LogSpec:
 
 @dataclass
 class DistillSpec:
-    """Knowledge distillation: loss = (1 - alpha) * LM loss + alpha * T^2 * KL(teacher || student) at temperature T."""
+    """Knowledge distillation: loss = (1 - alpha) * LM loss + alpha * (T^2 * KL(teacher || student) at temperature T
+    + hidden_weight * the residual streams' relative squared error, mean over layers and tokens)."""
 
     teacher: str  # checkpoint (e.g. the uniform source of a conversion); same vocabulary
     alpha: float = 0.5
     temperature: float = 1.0
+    hidden_weight: float = 0.0  # > 0: also match the teacher's residual stream after every layer (same depth, width)
 
 
 @dataclass
@@ -314,6 +316,8 @@ def _check_semantics(r: Recipe) -> list[str]:
             errors.append(f"distill.alpha: must be in [0, 1], got {r.distill.alpha}")
         if r.distill.temperature <= 0:
             errors.append(f"distill.temperature: must be > 0, got {r.distill.temperature}")
+        if r.distill.hidden_weight < 0:
+            errors.append(f"distill.hidden_weight: must be >= 0, got {r.distill.hidden_weight}")
     if r.train.trainable is not None and (not r.train.trainable or not all(r.train.trainable)):
         errors.append(f"train.trainable: expected a non-empty list of parameter-name patterns or null (all train), "
                       f"got {r.train.trainable}")

@@ -237,6 +237,18 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     return F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean") * t * t
 
 
+def hidden_loss(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over layers and tokens of ||h_s - h_t||^2 / ||h_t||^2: the residual stream after every layer (the
+    embeddings, index 0, are skipped), each (B, S, d); relative per token, so the few tokens with very large
+    residual norms (the first position's) weigh as much as any other."""
+    if len(student) != len(teacher):
+        raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth: {len(teacher) - 1} "
+                         f"layers against {len(student) - 1}")
+    losses = [((s.float() - t.float()).square().sum(-1) / t.float().square().sum(-1).clamp_min(1e-12)).mean()
+              for s, t in zip(student[1:], teacher[1:])]
+    return torch.stack(losses).mean()
+
+
 # ============================================================================================== checkpoints
 
 
@@ -620,12 +632,16 @@ class _Run:
             ids = next(self.batches).to(d.device, non_blocking=True)  # (B, S): this rank's micro-batch
             sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
-                logits = self.forward(input_ids=ids, use_cache=False).logits  # (B, S, V)
+                hidden = self.teacher is not None and r.distill.hidden_weight > 0
+                out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
+                logits = out.logits  # (B, S, V)
                 loss = lm_loss(logits, ids)
                 if self.teacher is not None:
                     with torch.no_grad():
-                        teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
-                    kd = distill_loss(logits, teacher_logits, r.distill.temperature)
+                        teacher_out = self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
+                    kd = distill_loss(logits, teacher_out.logits, r.distill.temperature)
+                    if hidden:
+                        kd = kd + r.distill.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
                     loss = (1 - r.distill.alpha) * loss + r.distill.alpha * kd
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
@@ -817,4 +833,4 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
 
 
 __all__ = ["train", "TrainResult", "TrainError", "lr_factor", "select_trainable", "lm_loss", "distill_loss",
-           "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
+           "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
