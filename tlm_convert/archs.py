@@ -154,40 +154,6 @@ DROPPED_TENSORS: dict[str, tuple[str, ...]] = {
     "gpt2": (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),  # the old causal-mask buffers
 }
 
-# MLP neurons in the SOURCE checkpoint (canonical spelling): tensor name -> the dim a neuron lives on.
-# Only tensors whose size is the MLP width are listed (down_proj / c_proj biases are per hidden unit: untouched).
-# The Llama family's bias entries exist only in checkpoints with mlp_bias=True; GPT-2 always has its biases.
-_GATED_MLP_KEYS = {
-    _L + "mlp.gate_proj.weight": 0,  # (I, d): neuron j = row j
-    _L + "mlp.up_proj.weight": 0,  # (I, d)
-    _L + "mlp.down_proj.weight": 1,  # (d, I): neuron j = column j
-}
-MLP_KEYS: dict[str, dict[str, int]] = {
-    "llama": {**_GATED_MLP_KEYS,
-              _L + "mlp.gate_proj.bias": 0,  # (I,), only in checkpoints with mlp_bias=True
-              _L + "mlp.up_proj.bias": 0},  # (I,), only with mlp_bias=True
-    "qwen2": dict(_GATED_MLP_KEYS),
-    "qwen3": dict(_GATED_MLP_KEYS),
-    "gemma3": dict(_GATED_MLP_KEYS),
-    "gpt2": {
-        _H + "mlp.c_fc.weight": 1,  # Conv1D (d, I): neuron j = column j
-        _H + "mlp.c_fc.bias": 0,  # (I,)
-        _H + "mlp.c_proj.weight": 0,  # Conv1D (I, d): neuron j = row j
-    },
-}
-
-
-def mlp_keys(family: str) -> dict[str, int]:
-    """MLP tensors of layer ``{i}`` in the canonical source spelling -> the dim a neuron lives on.
-
-    Apply ``canonical_source_state_dict`` to a checkpoint first; skip entries the checkpoint does not have
-    (MLP biases are optional for the Llama family).
-    """
-    if family not in MLP_KEYS:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    return dict(MLP_KEYS[family])
-
-
 # ----------------------------------------------------------------------------------------------- configs
 
 
@@ -507,9 +473,14 @@ def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> di
     return out
 
 
-def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], unexpected: list[str]) -> None:
+def tlm_shapes(config: TLMConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the state dict of ``TLMForCausalLM(config)`` (built on the meta device)."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
+
+
+def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], unexpected: list[str]) -> None:
+    expected = tlm_shapes(config)
     problems = [f"unexpected source tensor {k!r}" for k in unexpected]
     problems += [f"missing TLM tensor {k!r} (expected shape {s})" for k, s in expected.items() if k not in tensors]
     problems += [f"TLM tensor {k!r} has no place in the model" for k in tensors if k not in expected]
@@ -520,19 +491,6 @@ def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], un
         raise ValueError("checkpoint does not match its config:\n  - " + "\n  - ".join(shown))
 
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "FAMILIES",
-    "FAMILY_BLOCK",
-    "TENSOR_TABLES",
-    "DROPPED_TENSORS",
-    "MLP_KEYS",
-    "family_of",
-    "tlm_config_from_hf",
-    "tlm_state_dict_from_hf",
-    "tlm_targets",
-    "canonical_source_state_dict",
-    "layer_template",
-    "transform_tensor",
-    "mlp_keys",
-]
+__all__ = ["SUPPORTED_ARCHITECTURES", "FAMILIES", "FAMILY_BLOCK", "TENSOR_TABLES", "DROPPED_TENSORS", "family_of",
+           "tlm_config_from_hf", "tlm_state_dict_from_hf", "tlm_targets", "canonical_source_state_dict",
+           "layer_template", "transform_tensor", "tlm_shapes"]

@@ -35,16 +35,7 @@ from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
 
-from .archs import (
-    CONV1D,
-    COPY,
-    QKV_BIAS,
-    QKV_CONV1D,
-    SUPPORTED_ARCHITECTURES,
-    family_of,
-    tlm_targets,
-    transform_tensor,
-)
+from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, tlm_shapes, tlm_targets, transform_tensor
 from .checkpoint import (
     HUB_ID,
     BinTensors,
@@ -61,9 +52,10 @@ from .checkpoint import (
     tie_missing_head,
     tokenizer_folder,
     tokenizer_kwargs,
+    unsupported_error,
     weight_files,
 )
-from .errors import ConversionError
+from .errors import ConversionError, first_few
 from .export import copy_tokenizer, write_generation_config
 from .perplexity import nll_sum
 from .upcycle import carry_scores, upcycle_layer
@@ -177,9 +169,7 @@ def _open_stream(source) -> StreamSource:
     else:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
-            raise ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{path}'; tlm-convert "
-                                  f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
+            raise unsupported_error(model_type, raw.get("architectures"), path)
         config, targets, family = _hf_targets(path, read_hf_config(path, raw), tensors, notes)
         kind = "hf"
     return _stream_source(kind, path, family, config, tensors, targets, tokenizer_folder(path),
@@ -202,7 +192,8 @@ def _open_gguf(file: Path) -> StreamSource:
 
 
 def _stream_source(kind, path, family, config, tensors, targets, tokenizer_source, generation_config, notes):
-    shapes = {name: _target_shape(kind_, tensors.shape(src), part) for name, (src, kind_, part) in targets.items()}
+    shapes = {name: tuple(transform_tensor(kind_, torch.empty(tensors.shape(src), device="meta"))[part].shape)
+              for name, (src, kind_, part) in targets.items()}  # the shapes the transforms give, without data
     _check_shapes(config, shapes, path)
     return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
                         shapes=shapes, tokenizer_source=tokenizer_source, generation_config=generation_config,
@@ -214,9 +205,8 @@ def _hf_targets(path: Path, hf_config, tensors, notes: list):
     canonical, config = import_hf_config(path, hf_config, {name: name for name in tensors}, notes)  # -> file name
     targets, unexpected = tlm_targets(hf_config, canonical)
     if unexpected:
-        more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise ConversionError(f"the weights in '{path}' do not match its config: unexpected source tensor(s) "
-                              f"{', '.join(unexpected[:3])}{more}; re-download the checkpoint or fix config.json")
+                              f"{first_few(unexpected)}; re-download the checkpoint or fix config.json")
     targets = {out: (canonical[name], kind, part) for out, (name, kind, part) in targets.items()}
     return config, targets, family
 
@@ -228,23 +218,9 @@ def _tlm_targets(path: Path, tensors, notes: list):
     return config, targets
 
 
-def _target_shape(kind: str, shape: tuple[int, ...], part: int) -> tuple[int, ...]:
-    if kind == COPY:
-        return tuple(shape)
-    if kind == CONV1D:
-        return tuple(reversed(shape))
-    if kind == QKV_CONV1D:  # (d, 3d): three column blocks, each transposed
-        return (shape[1] // 3, shape[0])
-    if kind == QKV_BIAS:
-        return (shape[0] // 3,)
-    raise AssertionError(kind)
-
-
 def expected_shapes(config: TLMConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of ``config`` stores (a tied lm_head is not stored)."""
-    with torch.device("meta"):
-        model = TLMForCausalLM(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = tlm_shapes(config)
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
@@ -257,8 +233,7 @@ def _check_shapes(config: TLMConfig, shapes: dict, path) -> None:
     problems += [f"{k} has shape {shapes[k]}, expected {expected[k]}" for k in expected
                  if k in shapes and shapes[k] != expected[k]]
     if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConversionError(f"the weights in '{path}' do not match its config: {'; '.join(problems[:3])}{more}; "
+        raise ConversionError(f"the weights in '{path}' do not match its config: {first_few(problems, sep='; ')}; "
                               "re-download the checkpoint or fix config.json")
 
 
