@@ -24,13 +24,7 @@ from transformers import (
 
 import tlm  # noqa: F401  (registers the Auto classes)
 from tlm import TLMForCausalLM
-from tlm_convert.archs import (
-    SUPPORTED_ARCHITECTURES,
-    canonical_source_state_dict,
-    family_of,
-    tlm_config_from_hf,
-    tlm_state_dict_from_hf,
-)
+from tlm_convert.archs import SUPPORTED_ARCHITECTURES, family_of, tlm_config_from_hf, tlm_state_dict_from_hf
 
 V, I, SEQ, WINDOW = 99, 37, 16, 5
 TOL = 1e-5
