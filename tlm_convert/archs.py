@@ -154,6 +154,24 @@ DROPPED_TENSORS: dict[str, tuple[str, ...]] = {
     "gpt2": (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),  # the old causal-mask buffers
 }
 
+# llama.cpp's tensor names of the Llama block (transformers names, the layer index as {i}): what the GGUF export
+# writes and the GGUF reader maps back
+GGUF_LLAMA_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+
+
 # ----------------------------------------------------------------------------------------------- configs
 
 
@@ -493,4 +511,4 @@ def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], un
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "FAMILIES", "FAMILY_BLOCK", "TENSOR_TABLES", "DROPPED_TENSORS", "family_of",
            "tlm_config_from_hf", "tlm_state_dict_from_hf", "tlm_targets", "canonical_source_state_dict",
-           "layer_template", "transform_tensor", "tlm_shapes"]
+           "layer_template", "transform_tensor", "tlm_shapes", "GGUF_LLAMA_NAMES"]

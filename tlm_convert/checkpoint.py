@@ -38,6 +38,7 @@ from tlm import TLMConfig
 
 from .archs import (
     DROPPED_TENSORS,
+    GGUF_LLAMA_NAMES,
     SUPPORTED_ARCHITECTURES,
     canonical_source_state_dict,
     family_of,
@@ -595,30 +596,17 @@ def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor],
                               "re-download the checkpoint or fix config.json")
 
 
-# GGUF tensor name (blk.{i}. stripped) -> transformers name (model.layers.{i}. stripped), llama architecture
-_GGUF_LLAMA_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_LLAMA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
+_FROM_GGUF = {gguf: name for name, gguf in GGUF_LLAMA_NAMES.items()}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def _gguf_llama_name(name: str) -> str | None:
-    if name in _GGUF_LLAMA_GLOBAL:
-        return _GGUF_LLAMA_GLOBAL[name]
+    """The transformers name of a llama GGUF tensor (None for a tensor the Llama block has no place for)."""
     m = _GGUF_BLOCK.fullmatch(name)
-    if m is None or m.group(2) not in _GGUF_LLAMA_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_GGUF_LLAMA_NAMES[m.group(2)]}"
+    if m is None:
+        return _FROM_GGUF.get(name)
+    template = _FROM_GGUF.get("blk.{i}." + m.group(2))
+    return None if template is None else template.format(i=m.group(1))
 
 
 def _unpermute_gguf_rows(weights, n_head: int):
