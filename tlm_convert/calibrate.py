@@ -136,7 +136,15 @@ class ModelLayers:
 
 @dataclass
 class LayerSettings:
-    """The options of the layer loop (see :func:`calibrate_and_plan` for their meaning)."""
+    """The options of the layer loop :func:`convert_layers`.
+
+    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
+    "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
+    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
+    starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
+    their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
+    does not apply to sandwich-norm (Gemma 3) blocks.
+    """
 
     importance: str = "activation"
     grow_init: str = "noise"
@@ -171,36 +179,18 @@ def calibration_needed(source_widths: list[int], widths: list[int], settings: La
 
 
 @torch.no_grad()
-def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importance: str = "activation",
-                       grow_init: str = "noise", refit: bool = True, batch_size: int = 8, seed: int = 0,
-                       noise_scale: float = NOISE_SCALE, damp: float = DAMP, refit_target: str = "local",
-                       progress=None, timer=None, policy: MemoryPolicy = IN_MEMORY) -> CalibrationResult:
-    """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
-
-    blocks: (n, S) token ids. ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context
-    manager that accounts seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank"
-    (scores, plan, the refit's solve) and "resize" (new weights and the MLP passes that use them).
-
-    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
-    "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
-    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
-    starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
-    their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
-    does not apply to sandwich-norm (Gemma 3) blocks.
-    """
-    settings = LayerSettings(importance=importance, grow_init=grow_init, refit=refit, refit_target=refit_target,
-                             batch_size=batch_size, seed=seed, noise_scale=noise_scale, damp=damp)
-    return convert_layers(model.model, ModelLayers(model), blocks, widths, settings, policy, progress, timer)
-
-
-@torch.no_grad()
 def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: list[int], settings: LayerSettings,
                    policy: MemoryPolicy = IN_MEMORY, progress=None, timer=None) -> CalibrationResult:
     """The layer loop every conversion runs: ``base`` (a TLMModel whose embeddings, rotary tables and masks are
     usable; its layers are not touched) embeds the calibration blocks (n, S); then per layer i, ``layers.layer(i)``
     is calibrated, planned, refitted and resized to ``widths[i]``, handed to ``layers.done`` and its output carried
-    on. Arguments as :func:`calibrate_and_plan`. When :func:`calibration_needed` says no, no token runs (``blocks``
-    may be None): every layer is handed on unchanged, with no scores."""
+    on. When :func:`calibration_needed` says no, no token runs (``blocks`` may be None): every layer is handed on
+    unchanged, with no scores. For a model in memory: ``convert_layers(model.model, ModelLayers(model), ...)``
+    converts ``model`` in place.
+
+    ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context manager that accounts
+    seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank" (scores, plan, the refit's
+    solve) and "resize" (new weights and the MLP passes that use them)."""
     timer = timer or _no_timer
     if not calibration_needed(base.config.intermediate_sizes, widths, settings):
         return _pass_through(base, layers, progress)
@@ -571,5 +561,5 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
     mlp.intermediate_size = plan.width
 
 
-__all__ = ["calibrate_and_plan", "convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
+__all__ = ["convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
            "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]

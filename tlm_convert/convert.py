@@ -186,7 +186,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
         if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
             calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
-        evalb = eval_blocks(tokenizer, opts)
+        evalb = eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)  # None without sets
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     report = report_head(src, opts, widths, calib)
@@ -203,7 +203,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         config.intermediate_sizes = list(widths)
         scores = [carry_scores(s, p.keep, p.grow) for s, p in zip(result.scores, result.plans)]
         config, state = upcycle(config, model.state_dict(), opts.mixer, scores, seed=opts.seed)
-        final = _strict_reload(config, state, opts)
+        final = materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()  # a strict reload
         report.update(_param_report(src, final, opts))
     if evalb is not None:
         with timer("eval"):
@@ -295,16 +295,6 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
         raise ConversionError(str(err).splitlines()[0]) from None
 
 
-def eval_blocks(tokenizer, opts):
-    """{set: evaluation blocks} of ``--eval-data`` (None without it)."""
-    return eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)
-
-
-def _strict_reload(config, state, opts):
-    """The converted weights, reloaded strictly into a model built from the new config."""
-    return materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()
-
-
 def _param_report(src, final, opts) -> dict:
     after = sum(p.numel() for p in final.parameters())
     if opts.mixer == "attention" and after != src.num_params:
@@ -351,6 +341,6 @@ def rss_mb() -> float | None:
         return None
 
 
-__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "eval_blocks", "report_head",
+__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "report_head",
            "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
 
