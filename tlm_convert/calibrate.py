@@ -513,21 +513,9 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
 
 
 def _feed_forward_reusing(layer, z, a, plan):
-    """feed_forward(z) after resizing, reusing the first pass's activations a (B, S, I_source): kept neurons are
-    sliced from a, only new neurons are computed. Equals ``layer.feed_forward(z)`` with the new weights."""
-    mlp = layer.mlp
-    a = a[..., plan.keep]
-    if plan.grow:
-        x = layer.post_attention_layernorm(z)
-        new = slice(len(plan.keep), plan.width)
-        up = F.linear(x, mlp.up_proj.weight[new], None if mlp.up_proj.bias is None else mlp.up_proj.bias[new])
-        if hasattr(mlp, "gate_proj"):
-            gate = mlp.gate_proj
-            extra = mlp.act_fn(F.linear(x, gate.weight[new], None if gate.bias is None else gate.bias[new])) * up
-        else:
-            extra = mlp.act_fn(up)
-        a = torch.cat([a, extra], dim=-1)
-    y = mlp.down_proj(a)
+    """feed_forward(z) after shrinking, reusing the first pass's activations a (B, S, I_source): the kept neurons'
+    are sliced from a. Equals ``layer.feed_forward(z)`` with the new weights."""
+    y = layer.mlp.down_proj(a[..., plan.keep])
     if layer.sandwich:
         y = layer.post_feedforward_layernorm(y)
     return z + y
