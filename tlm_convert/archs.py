@@ -469,6 +469,19 @@ def tlm_targets(hf_config, names) -> tuple[dict[str, tuple[str, str, int]], list
     return targets, unexpected
 
 
+def gather(targets: dict[str, tuple[str, str, int]], names, load) -> dict[str, torch.Tensor]:
+    """TLM name -> tensor for ``names`` (keys of ``targets``, see :func:`tlm_targets`), each source tensor read with
+    ``load(source name)`` and transformed once."""
+    parts: dict[str, tuple[torch.Tensor, ...]] = {}
+    out = {}
+    for name in names:
+        source, kind, part = targets[name]
+        if source not in parts:
+            parts[source] = transform_tensor(kind, load(source))
+        out[name] = parts[source][part]
+    return out
+
+
 def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """TLM tensors for a source checkpoint (pure: the input is not modified; unchanged tensors are shared).
 
@@ -479,12 +492,7 @@ def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> di
     config = tlm_config_from_hf(hf_config)  # refuses what cannot be reproduced
     canonical = canonical_source_state_dict(hf_config, state_dict)
     targets, unexpected = tlm_targets(hf_config, canonical)
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, tuple[torch.Tensor, ...]] = {}
-    for target, (name, kind, part) in targets.items():
-        if name not in parts:
-            parts[name] = transform_tensor(kind, canonical[name])
-        out[target] = parts[name][part]
+    out = gather(targets, targets, canonical.__getitem__)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     _check_against_model(config, out, unexpected)
@@ -511,4 +519,4 @@ def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], un
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "FAMILIES", "FAMILY_BLOCK", "TENSOR_TABLES", "DROPPED_TENSORS", "family_of",
            "tlm_config_from_hf", "tlm_state_dict_from_hf", "tlm_targets", "canonical_source_state_dict",
-           "layer_template", "transform_tensor", "tlm_shapes", "GGUF_LLAMA_NAMES"]
+           "layer_template", "transform_tensor", "gather", "tlm_shapes", "GGUF_LLAMA_NAMES"]

@@ -584,15 +584,18 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
 
 def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:
     """ConversionError unless ``tensors`` has exactly the names and shapes of ``TLMForCausalLM(config)``."""
-    expected = tlm_shapes(config)
-    missing = [k for k in expected if k not in tensors]
-    extra = [k for k in tensors if k not in expected]
-    wrong = [f"{k} {tuple(tensors[k].shape)} (expected {expected[k]})" for k in expected
-             if k in tensors and tuple(tensors[k].shape) != expected[k]]
+    check_shapes(tlm_shapes(config), {k: tuple(v.shape) for k, v in tensors.items()}, where)
+
+
+def check_shapes(expected: Mapping[str, tuple], shapes: Mapping[str, tuple], where: str) -> None:
+    """ConversionError unless ``shapes`` (name -> shape) has exactly the names and shapes of ``expected``."""
+    missing = [k for k in expected if k not in shapes]
+    extra = [k for k in shapes if k not in expected]
+    wrong = [f"{k} {shapes[k]} (expected {expected[k]})" for k in expected if k in shapes and shapes[k] != expected[k]]
     problems = [f"{what} {first_few(names)}" for what, names in (("missing", missing), ("unexpected", extra),
                                                                    ("wrong shape", wrong)) if names]
     if problems:
-        raise ConversionError(f"the tensors of {where} do not match its TLM config: {'; '.join(problems)}; "
+        raise ConversionError(f"the tensors of {where} do not match its config: {'; '.join(problems)}; "
                               "re-download the checkpoint or fix config.json")
 
 
@@ -732,4 +735,4 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 __all__ = ["Source", "TIED_NOTE", "import_hf_config", "read_tlm_config", "tie_missing_head", "SafetensorsFiles",
            "TensorIndex", "BinTensors", "GGUFTensors", "prepare_tensor", "all_finite", "read_gguf_config",
            "read_state_dict", "load_source", "weight_files", "count_params", "check_tlm_state_dict",
-           "unsupported_error"]
+           "check_shapes", "unsupported_error"]

@@ -204,7 +204,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         scores = [carry_scores(s, p.keep, p.grow) for s, p in zip(result.scores, result.plans)]
         config, state = upcycle(config, model.state_dict(), opts.mixer, scores, seed=opts.seed)
         final = materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()  # a strict reload
-        report.update(_param_report(src, final, opts))
+        report.update(_param_report(src.num_params, sum(p.numel() for p in final.parameters()), opts))
     if evalb is not None:
         with timer("eval"):
             after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
@@ -265,10 +265,7 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
         layers.embed()
         result = convert_layers(layers.base, layers, calib, widths, settings, LOW_MEMORY, on_layer, timer)
         layers.finish()
-        report.update(layers.param_report())
-        if opts.mixer == "attention" and report["params_after"] != report["params_before"]:
-            raise ConversionError(f"internal error: {report['params_after']} parameters written, "
-                                  f"{report['params_before']} in the source")
+        report.update(_param_report(src.num_params, layers.params_written, opts))
         if evalb is not None:
             report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after,
                                               opts.calibration_data))
@@ -295,12 +292,11 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
         raise ConversionError(str(err).splitlines()[0]) from None
 
 
-def _param_report(src, final, opts) -> dict:
-    after = sum(p.numel() for p in final.parameters())
-    if opts.mixer == "attention" and after != src.num_params:
-        raise ConversionError(f"internal error: {after} parameters after conversion, {src.num_params} before")
-    return {"params_before": src.num_params, "params_after": after,
-            "params_added_by_mixer": after - src.num_params}
+def _param_report(before: int, after: int, opts) -> dict:
+    """The report's parameter counts; an attention conversion must keep the count exactly."""
+    if opts.mixer == "attention" and after != before:
+        raise ConversionError(f"internal error: {after} parameters after conversion, {before} before")
+    return {"params_before": before, "params_after": after, "params_added_by_mixer": after - before}
 
 
 def report_head(src, opts, widths, calib) -> dict:

@@ -35,13 +35,14 @@ from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
 
-from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, tlm_shapes, tlm_targets, transform_tensor
+from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
 from .checkpoint import (
     HUB_ID,
     BinTensors,
     GGUFTensors,
     TensorIndex,
     SafetensorsFiles,
+    check_shapes,
     generation_config_of,
     import_hf_config,
     prepare_tensor,
@@ -115,16 +116,7 @@ class StreamSource:
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """The TLM tensors ``names`` in fp32, each source tensor read (and checked) once."""
-        groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
-        for name in names:
-            source, kind, part = self.targets[name]
-            groups.setdefault((source, kind), []).append((name, part))
-        out = {}
-        for (source, kind), wanted in groups.items():
-            parts = transform_tensor(kind, self._load(source))
-            for name, part in wanted:
-                out[name] = parts[part]
-        return out
+        return gather(self.targets, names, self._load)
 
     def _load(self, name: str) -> torch.Tensor:
         return prepare_tensor(name, self.tensors[name], self.tensors.file(name), torch.float32)
@@ -194,7 +186,7 @@ def _open_gguf(file: Path) -> StreamSource:
 def _stream_source(kind, path, family, config, tensors, targets, tokenizer_source, generation_config, notes):
     shapes = {name: tuple(transform_tensor(kind_, torch.empty(tensors.shape(src), device="meta"))[part].shape)
               for name, (src, kind_, part) in targets.items()}  # the shapes the transforms give, without data
-    _check_shapes(config, shapes, path)
+    check_shapes(expected_shapes(config), shapes, f"'{path}'")
     return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
                         shapes=shapes, tokenizer_source=tokenizer_source, generation_config=generation_config,
                         notes=notes)
@@ -224,17 +216,6 @@ def expected_shapes(config: TLMConfig) -> dict[str, tuple[int, ...]]:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
-
-
-def _check_shapes(config: TLMConfig, shapes: dict, path) -> None:
-    expected = expected_shapes(config)
-    problems = [f"missing {k}" for k in expected if k not in shapes]
-    problems += [f"unexpected {k}" for k in shapes if k not in expected]
-    problems += [f"{k} has shape {shapes[k]}, expected {expected[k]}" for k in expected
-                 if k in shapes and shapes[k] != expected[k]]
-    if problems:
-        raise ConversionError(f"the weights in '{path}' do not match its config: {first_few(problems, sep='; ')}; "
-                              "re-download the checkpoint or fix config.json")
 
 
 # ============================================================================================== the loop's layers
@@ -330,10 +311,6 @@ class StreamedLayers:
         with self.timer("save"):
             self._write_shard(self.num_shards, cast)
             self._write_model_files()
-
-    def param_report(self) -> dict:
-        before, after = self.src.num_params, self.params_written
-        return {"params_before": before, "params_after": after, "params_added_by_mixer": after - before}
 
     def _write_shard(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
