@@ -304,11 +304,7 @@ class _LayerStep:
         with self.timer("calibrate"):
             with activation_stats(down, gram=obs and source_hidden is None and weights is None, keep=True, stop=True,
                                   block_rows=rows) as stats:
-                for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
-                    try:
-                        layer.feed_forward(z)
-                    except StopForward:
-                        pass
+                _run_to_down_proj(layer, mixed)
         score = self.scores(i, layer, stats)
         if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
             start = down.weight  # the local target's optimum under any token weights
@@ -380,11 +376,7 @@ class _LayerStep:
             targets = _mlp_targets(layer, mixed, source_hidden) if self.reconstructs(layer) else None
             with activation_stats(down, gram=solve and weights is None, stop=True, block_rows=rows,
                                   on_batch=(lambda a: [f(a) for f in sums]) if sums else None) as stats:
-                for z in mixed:
-                    try:
-                        layer.feed_forward(z)
-                    except StopForward:
-                        pass
+                _run_to_down_proj(layer, mixed)
         score = self.scores(i, layer, stats)
         gram, stats.gram = stats.gram if weighted is None else weighted.gram, None
         with self.timer("rank"):  # cross.take(): AᵀY (I, d), held by the solve alone (freed as soon as it is used)
@@ -462,6 +454,16 @@ def _mlp_targets(layer, mixed, source_hidden, acts=None) -> list:
         out.append(F.linear(acts[b].float(), down.weight.float(), down.bias))
         acts[b] = None
     return out
+
+
+def _run_to_down_proj(layer, mixed: list) -> None:
+    """Every batch's MLP up to its down projection, whose ``stop=True`` statistics hook records the activations and
+    stops the forward."""
+    for z in mixed:
+        try:
+            layer.feed_forward(z)
+        except StopForward:
+            pass
 
 
 def _consume(mixed: list, fn) -> list:
