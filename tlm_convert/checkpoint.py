@@ -367,28 +367,46 @@ def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.floa
     """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc).
     ``trust_remote_code`` lets the tokenizer run the source's own code (never the model: only known architectures
     are read)."""
-    src = _load_source(source, _as_dtype(dtype))
+    dtype = _as_dtype(dtype)
+    path = locate(source)
+    src = _load_gguf(path, dtype) if path.is_file() else _load_folder(path, dtype)
     src.trust_remote_code = trust_remote_code
     return src
 
 
-def _load_source(source: str | os.PathLike, dtype: torch.dtype) -> Source:
+def locate(source: str | os.PathLike, download: bool = True) -> Path:
+    """The checkpoint ``source`` names: a .gguf file or a folder with config.json. A hub id ``org/name`` that is not a
+    local path is downloaded, or refused without ``download`` (the low-memory policy streams local files only)."""
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
-        if HUB_ID.fullmatch(text) and ".." not in text:
-            path = _download(text)
-        else:
+        if not (HUB_ID.fullmatch(text) and ".." not in text):
             raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "
                                   "TLM checkpoint folder or a hub id of the form org/name")
+        if not download:
+            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local checkpoint: download "
+                                  f"it first (hf download {text} --local-dir DIR) and pass DIR, or drop --low-memory")
+        path = _download(text)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _load_gguf(path, dtype)
+            return path
         if path.name != "config.json":
             raise ConversionError(f"'{path}' is a file but not a .gguf; pass the model folder (with config.json) "
                                   "or a .gguf file")
         path = path.parent
-    return _load_folder(path, dtype)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ConversionError(f"folder '{path}' has no config.json but {len(ggufs)} .gguf files; pass one of "
+                                  f"them, e.g. '{ggufs[0]}'")
+        if (path / "adapter_config.json").is_file():
+            raise ConversionError(f"folder '{path}' holds a PEFT/LoRA adapter, not a full model; merge it into its "
+                                  "base model (merge_and_unload + save_pretrained) and convert that folder")
+        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
+                              "model.safetensors), a .gguf file or a TLM checkpoint folder")
+    return path
 
 
 def _as_dtype(dtype) -> torch.dtype:
@@ -441,20 +459,7 @@ def unsupported_error(model_type, architectures, where) -> ConversionError:
 
 
 def _load_folder(path: Path, dtype: torch.dtype) -> Source:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
-        if ggufs:
-            raise ConversionError(f"folder '{path}' has no config.json but {len(ggufs)} .gguf files; pass one of "
-                                  f"them, e.g. '{ggufs[0]}'")
-        if (path / "adapter_config.json").is_file():
-            raise ConversionError(f"folder '{path}' holds a PEFT/LoRA adapter, not a full model; merge it into its "
-                                  "base model (merge_and_unload + save_pretrained) and convert that folder")
-        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
-                              "model.safetensors), a .gguf file or a TLM checkpoint folder")
-    raw = read_json(config_file)
+    raw = read_json(path / "config.json")
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
@@ -735,4 +740,4 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
 __all__ = ["Source", "TIED_NOTE", "import_hf_config", "read_tlm_config", "tie_missing_head", "SafetensorsFiles",
            "TensorIndex", "BinTensors", "GGUFTensors", "prepare_tensor", "all_finite", "read_gguf_config",
            "read_state_dict", "load_source", "weight_files", "count_params", "check_tlm_state_dict",
-           "check_shapes", "unsupported_error"]
+           "check_shapes", "unsupported_error", "locate"]

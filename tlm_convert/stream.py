@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,6 @@ from tlm.modules import rope_inv_freq
 
 from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
 from .checkpoint import (
-    HUB_ID,
     BinTensors,
     GGUFTensors,
     TensorIndex,
@@ -45,6 +43,7 @@ from .checkpoint import (
     check_shapes,
     generation_config_of,
     import_hf_config,
+    locate,
     prepare_tensor,
     read_hf_config,
     read_gguf_config,
@@ -125,33 +124,13 @@ class StreamSource:
 def open_stream(source, trust_remote_code: bool = False) -> StreamSource:
     """Open a local checkpoint for streaming: a transformers or TLM folder (safetensors, or zip-format .bin), or a
     llama-architecture .gguf file (or a folder holding exactly one); everything else is refused."""
-    src = _open_stream(source)
+    path = locate(source, download=False)
+    src = _open_gguf(path) if path.is_file() else _open_folder(path)
     src.trust_remote_code = trust_remote_code
     return src
 
 
-def _open_stream(source) -> StreamSource:
-    text = os.fspath(source)
-    path = Path(os.path.expanduser(text))
-    if not path.exists():
-        if HUB_ID.fullmatch(text) and ".." not in text:
-            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local checkpoint: download "
-                                  f"it first (hf download {text} --local-dir DIR) and pass DIR, or drop --low-memory")
-        raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder (config.json + "
-                              "model.safetensors) or a .gguf file")
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return _open_gguf(path)
-        if path.name != "config.json":
-            raise ConversionError(f"'{path}' is a file; --low-memory streams a transformers model folder (config.json "
-                                  "+ weights) or a .gguf file: pass the folder, or drop --low-memory")
-        path = path.parent
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _open_gguf(ggufs[0])
-        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
-                              "model.safetensors) or a .gguf file")
+def _open_folder(path: Path) -> StreamSource:
     raw = read_json(path / "config.json")
     kind, files = weight_files(path)
     tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []
