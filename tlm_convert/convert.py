@@ -91,7 +91,8 @@ class ConvertOptions:
             self.importance = "obs"
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS)}
+                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
+                   "refit_target": (self.refit_target, REFIT_TARGETS)}
         for name, (value, allowed) in choices.items():
             if value not in allowed and not (name == "importance" and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
@@ -106,8 +107,6 @@ class ConvertOptions:
                                   f"{self.multiple_of} is not (drop it, or use --export tlm)")
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
-        if self.refit_target not in REFIT_TARGETS:
-            raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
