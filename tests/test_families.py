@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -151,7 +152,7 @@ def test_gemma3_multimodal_text_part():
 
 def test_unsupported_model_type_lists_supported():
     with pytest.raises(ValueError) as err:
-        family_of({"model_type": "bert"})
+        family_of(AutoConfig.for_model("bert"))
     for model_type in SUPPORTED_ARCHITECTURES:
         assert model_type in str(err.value)
     with pytest.raises(ValueError, match="gpt2"):

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.configuration_tlm import ROPE_TYPES
@@ -175,26 +175,12 @@ GGUF_LLAMA_NAMES = {
 # ----------------------------------------------------------------------------------------------- configs
 
 
-def _as_config(hf_config) -> PretrainedConfig:
-    if isinstance(hf_config, dict):
-        fields = dict(hf_config)
-        model_type = fields.pop("model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            _unsupported(model_type)
-        return AutoConfig.for_model(model_type, **fields)
-    return hf_config
-
-
-def _unsupported(model_type):
-    raise ValueError(f"unsupported model_type {model_type!r}: tlm-convert imports "
-                     f"{', '.join(SUPPORTED_ARCHITECTURES)} (families: {', '.join(FAMILIES)})")
-
-
 def family_of(hf_config) -> str:
-    """The family of a transformers config (or config dict); ValueError listing the supported model types."""
-    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+    """The family of a transformers config; ValueError listing the supported model types."""
+    model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        _unsupported(model_type)
+        raise ValueError(f"unsupported model_type {model_type!r}: tlm-convert imports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (families: {', '.join(FAMILIES)})")
     return SUPPORTED_ARCHITECTURES[model_type]
 
 
@@ -390,12 +376,11 @@ def tlm_config_from_hf(hf_config, **overrides) -> TLMConfig:
     Raises ValueError naming every source setting TLM cannot reproduce.
     """
     family = family_of(hf_config)
-    hf = _as_config(hf_config)
     problems: list[str] = []
-    fields = {**FAMILY_BLOCK[family], **_FIELD_MAPPERS[family](hf, problems)}
+    fields = {**FAMILY_BLOCK[family], **_FIELD_MAPPERS[family](hf_config, problems)}
     if problems:
-        raise ValueError(f"cannot import {hf.model_type!r} exactly:\n  - " + "\n  - ".join(problems))
-    dtype = getattr(hf, "dtype", None)
+        raise ValueError(f"cannot import {hf_config.model_type!r} exactly:\n  - " + "\n  - ".join(problems))
+    dtype = getattr(hf_config, "dtype", None)
     if dtype is not None:
         fields["dtype"] = dtype
     _check_overrides(overrides)
@@ -408,8 +393,7 @@ def tlm_config_from_hf(hf_config, **overrides) -> TLMConfig:
 
 def canonical_source_state_dict(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint under the canonical source names used by the tables (a new dict; tensors untouched)."""
-    family = family_of(hf_config)
-    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else hf_config.model_type
+    family, model_type = family_of(hf_config), hf_config.model_type
     out = {}
     for name, tensor in state_dict.items():
         if family == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
