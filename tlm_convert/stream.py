@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from .checkpoint import (
     GGUFTensors,
     TensorIndex,
     SafetensorsFiles,
+    Source,
     check_shapes,
     generation_config_of,
     import_hf_config,
@@ -51,7 +52,6 @@ from .checkpoint import (
     read_tlm_config,
     tie_missing_head,
     tokenizer_folder,
-    tokenizer_kwargs,
     unsupported_error,
     weight_files,
 )
@@ -82,29 +82,14 @@ def check_streamable(opts) -> None:
 # ============================================================================================== source
 
 
-@dataclass
-class StreamSource:
-    """A checkpoint read tensor by tensor: TLM name -> (source name, transform, part) in ``targets``.
-    Answers what :class:`~tlm_convert.checkpoint.Source` answers, without its ``state_dict``."""
+@dataclass(kw_only=True)
+class StreamSource(Source):
+    """A :class:`~tlm_convert.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
+    (source name, transform, part) in ``targets``."""
 
-    kind: str  # "hf", "gguf" or "tlm"
-    path: str
-    family: str
-    tlm_config: TLMConfig
     tensors: TensorIndex  # SafetensorsFiles, BinTensors or GGUFTensors
     targets: dict[str, tuple[str, str, int]]
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
-    tokenizer_source: str | tuple[str, str] | None  # as Source.tokenizer_source
-    generation_config: object | None
-    notes: list[str] = field(default_factory=list)
-    trust_remote_code: bool = False  # as Source.trust_remote_code
-
-    @property
-    def num_params(self) -> int:
-        return sum(math.prod(s) for s in self.shapes.values())
-
-    def tokenizer_kwargs(self) -> tuple[str, dict] | None:
-        return tokenizer_kwargs(self.tokenizer_source, self.trust_remote_code)
 
     def layer_names(self, i: int) -> list[str]:
         prefix = f"model.layers.{i}."
@@ -135,15 +120,15 @@ def _open_folder(path: Path) -> StreamSource:
     kind, files = weight_files(path)
     tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []
     if raw.get("model_type") == "tlm":
+        kind, hf_config = "tlm", None
         config, targets = _tlm_targets(path, tensors, notes)
-        kind, family = "tlm", "tlm"
     else:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise unsupported_error(model_type, raw.get("architectures"), path)
-        config, targets, family = _hf_targets(path, read_hf_config(path, raw), tensors, notes)
-        kind = "hf"
-    return _stream_source(kind, path, family, config, tensors, targets, tokenizer_folder(path),
+        kind, hf_config = "hf", read_hf_config(path, raw)
+        config, targets = _hf_targets(path, hf_config, tensors, notes)
+    return _stream_source(kind, path, hf_config, config, tensors, targets, tokenizer_folder(path),
                           generation_config_of(path), notes)
 
 
@@ -157,29 +142,29 @@ def _open_gguf(file: Path) -> StreamSource:
                               "llama-architecture file); drop --low-memory")
     hf_config.dtype = torch.float32  # as load_source leaves it
     notes: list[str] = []
-    config, targets, family = _hf_targets(file, hf_config, tensors, notes)
-    return _stream_source("gguf", file, family, config, tensors, targets, (str(file.parent), file.name),
+    config, targets = _hf_targets(file, hf_config, tensors, notes)
+    return _stream_source("gguf", file, hf_config, config, tensors, targets, (str(file.parent), file.name),
                           GenerationConfig.from_model_config(hf_config), notes)
 
 
-def _stream_source(kind, path, family, config, tensors, targets, tokenizer_source, generation_config, notes):
+def _stream_source(kind, path, hf_config, config, tensors, targets, tokenizer_source, generation_config, notes):
     shapes = {name: tuple(transform_tensor(kind_, torch.empty(tensors.shape(src), device="meta"))[part].shape)
               for name, (src, kind_, part) in targets.items()}  # the shapes the transforms give, without data
     check_shapes(expected_shapes(config), shapes, f"'{path}'")
-    return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
-                        shapes=shapes, tokenizer_source=tokenizer_source, generation_config=generation_config,
-                        notes=notes)
+    return StreamSource(kind=kind, path=str(path), hf_config=hf_config, tlm_config=config, state_dict={},
+                        family="tlm" if hf_config is None else family_of(hf_config),
+                        num_params=sum(math.prod(s) for s in shapes.values()), tokenizer_source=tokenizer_source,
+                        generation_config=generation_config, notes=notes, tensors=tensors, targets=targets,
+                        shapes=shapes)
 
 
 def _hf_targets(path: Path, hf_config, tensors, notes: list):
-    family = family_of(hf_config)
     canonical, config = import_hf_config(path, hf_config, {name: name for name in tensors}, notes)  # -> file name
     targets, unexpected = tlm_targets(hf_config, canonical)
     if unexpected:
         raise ConversionError(f"the weights in '{path}' do not match its config: unexpected source tensor(s) "
                               f"{first_few(unexpected)}; re-download the checkpoint or fix config.json")
-    targets = {out: (canonical[name], kind, part) for out, (name, kind, part) in targets.items()}
-    return config, targets, family
+    return config, {out: (canonical[name], kind, part) for out, (name, kind, part) in targets.items()}
 
 
 def _tlm_targets(path: Path, tensors, notes: list):
