@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from tlm_convert.calibrate import calibrate_and_plan
+from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.checkpoint import load_source, resolve_builtin
 from tlm_convert.convert import ConvertOptions, plan_widths
 from tlm_convert.data import load_text, token_blocks
@@ -66,8 +66,9 @@ def main() -> None:
         grow = rest[0] if rest else "noise"
         model = materialize(copy.deepcopy(config), {k: v.clone() for k, v in state.items()}).eval()
         t0 = time.perf_counter()
-        calibrate_and_plan(model, calib, widths, importance=importance, refit=refit == "refit", grow_init=grow,
-                           refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
+        settings = LayerSettings(importance=importance, refit=refit == "refit", grow_init=grow,
+                                 refit_target=opts.refit_target, batch_size=opts.batch_size, seed=opts.seed)
+        convert_layers(model.model, ModelLayers(model), calib, widths, settings)
         seconds = time.perf_counter() - t0
         model.config.intermediate_sizes = list(widths)
         ppl = perplexity(model, evalb, opts.batch_size)

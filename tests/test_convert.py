@@ -10,7 +10,7 @@ from tiny_sources import DATA, FAMILIES, WIDTH, make_source, source_logits, tiny
 from transformers import AutoModelForCausalLM
 
 import tlm
-from tlm_convert.calibrate import calibrate_and_plan
+from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.checkpoint import load_source
 from tlm_convert import convert as convert_module
 from tlm_convert.convert import ConvertOptions, convert
@@ -164,7 +164,8 @@ def test_refit_lowers_the_layer_reconstruction_error(tmp_path, tokenizer):
         model.load_state_dict(src.state_dict)
         reference = tlm.TLMForCausalLM(src.tlm_config).eval()
         reference.load_state_dict(src.state_dict)
-        calibrate_and_plan(model, blocks, [72, 60, 36, 24], refit=refit, batch_size=8)
+        convert_layers(model.model, ModelLayers(model), blocks, [72, 60, 36, 24],
+                       LayerSettings(refit=refit, batch_size=8))
         errors[refit] = float((_logits(model, blocks[:8]) - _logits(reference, blocks[:8])).pow(2).mean())
     assert errors[True] < errors[False]
 
@@ -198,8 +199,8 @@ def test_carried_activations_match_the_converted_model(family, importance, grow_
     blocks = torch.tensor(tokenizer(DATA.read_text())["input_ids"][: 8 * 32]).view(8, 32)
     model = tlm.TLMForCausalLM(src.tlm_config).eval()
     model.load_state_dict(src.state_dict)
-    result = calibrate_and_plan(model, blocks, [72, 60, 36, 24], importance=importance, grow_init=grow_init,
-                                refit_target=refit_target, batch_size=4)
+    settings = LayerSettings(importance=importance, grow_init=grow_init, refit_target=refit_target, batch_size=4)
+    result = convert_layers(model.model, ModelLayers(model), blocks, [72, 60, 36, 24], settings)
     assert [p.width for p in result.plans] == [72, 60, 36, 24]
     assert [len(s) for s in result.scores] == [WIDTH] * 4  # scores of the source neurons, grown layers too
     model.config.intermediate_sizes = [72, 60, 36, 24]

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.configuration_tlm import ROPE_TYPES
@@ -154,63 +154,33 @@ DROPPED_TENSORS: dict[str, tuple[str, ...]] = {
     "gpt2": (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),  # the old causal-mask buffers
 }
 
-# MLP neurons in the SOURCE checkpoint (canonical spelling): tensor name -> the dim a neuron lives on.
-# Only tensors whose size is the MLP width are listed (down_proj / c_proj biases are per hidden unit: untouched).
-# The Llama family's bias entries exist only in checkpoints with mlp_bias=True; GPT-2 always has its biases.
-_GATED_MLP_KEYS = {
-    _L + "mlp.gate_proj.weight": 0,  # (I, d): neuron j = row j
-    _L + "mlp.up_proj.weight": 0,  # (I, d)
-    _L + "mlp.down_proj.weight": 1,  # (d, I): neuron j = column j
+# llama.cpp's tensor names of the Llama block (transformers names, the layer index as {i}): what the GGUF export
+# writes and the GGUF reader maps back
+GGUF_LLAMA_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
 }
-MLP_KEYS: dict[str, dict[str, int]] = {
-    "llama": {**_GATED_MLP_KEYS,
-              _L + "mlp.gate_proj.bias": 0,  # (I,), only in checkpoints with mlp_bias=True
-              _L + "mlp.up_proj.bias": 0},  # (I,), only with mlp_bias=True
-    "qwen2": dict(_GATED_MLP_KEYS),
-    "qwen3": dict(_GATED_MLP_KEYS),
-    "gemma3": dict(_GATED_MLP_KEYS),
-    "gpt2": {
-        _H + "mlp.c_fc.weight": 1,  # Conv1D (d, I): neuron j = column j
-        _H + "mlp.c_fc.bias": 0,  # (I,)
-        _H + "mlp.c_proj.weight": 0,  # Conv1D (I, d): neuron j = row j
-    },
-}
-
-
-def mlp_keys(family: str) -> dict[str, int]:
-    """MLP tensors of layer ``{i}`` in the canonical source spelling -> the dim a neuron lives on.
-
-    Apply ``canonical_source_state_dict`` to a checkpoint first; skip entries the checkpoint does not have
-    (MLP biases are optional for the Llama family).
-    """
-    if family not in MLP_KEYS:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    return dict(MLP_KEYS[family])
 
 
 # ----------------------------------------------------------------------------------------------- configs
 
 
-def _as_config(hf_config) -> PretrainedConfig:
-    if isinstance(hf_config, dict):
-        fields = dict(hf_config)
-        model_type = fields.pop("model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            _unsupported(model_type)
-        return AutoConfig.for_model(model_type, **fields)
-    return hf_config
-
-
-def _unsupported(model_type):
-    raise ValueError(f"unsupported model_type {model_type!r}: tlm-convert imports "
-                     f"{', '.join(SUPPORTED_ARCHITECTURES)} (families: {', '.join(FAMILIES)})")
-
-
 def family_of(hf_config) -> str:
-    """The family of a transformers config (or config dict); ValueError listing the supported model types."""
-    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+    """The family of a transformers config; ValueError listing the supported model types."""
+    model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        _unsupported(model_type)
+        raise ValueError(f"unsupported model_type {model_type!r}: tlm-convert imports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (families: {', '.join(FAMILIES)})")
     return SUPPORTED_ARCHITECTURES[model_type]
 
 
@@ -406,12 +376,11 @@ def tlm_config_from_hf(hf_config, **overrides) -> TLMConfig:
     Raises ValueError naming every source setting TLM cannot reproduce.
     """
     family = family_of(hf_config)
-    hf = _as_config(hf_config)
     problems: list[str] = []
-    fields = {**FAMILY_BLOCK[family], **_FIELD_MAPPERS[family](hf, problems)}
+    fields = {**FAMILY_BLOCK[family], **_FIELD_MAPPERS[family](hf_config, problems)}
     if problems:
-        raise ValueError(f"cannot import {hf.model_type!r} exactly:\n  - " + "\n  - ".join(problems))
-    dtype = getattr(hf, "dtype", None)
+        raise ValueError(f"cannot import {hf_config.model_type!r} exactly:\n  - " + "\n  - ".join(problems))
+    dtype = getattr(hf_config, "dtype", None)
     if dtype is not None:
         fields["dtype"] = dtype
     _check_overrides(overrides)
@@ -424,8 +393,7 @@ def tlm_config_from_hf(hf_config, **overrides) -> TLMConfig:
 
 def canonical_source_state_dict(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint under the canonical source names used by the tables (a new dict; tensors untouched)."""
-    family = family_of(hf_config)
-    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else hf_config.model_type
+    family, model_type = family_of(hf_config), hf_config.model_type
     out = {}
     for name, tensor in state_dict.items():
         if family == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
@@ -485,6 +453,19 @@ def tlm_targets(hf_config, names) -> tuple[dict[str, tuple[str, str, int]], list
     return targets, unexpected
 
 
+def gather(targets: dict[str, tuple[str, str, int]], names, load) -> dict[str, torch.Tensor]:
+    """TLM name -> tensor for ``names`` (keys of ``targets``, see :func:`tlm_targets`), each source tensor read with
+    ``load(source name)`` and transformed once."""
+    parts: dict[str, tuple[torch.Tensor, ...]] = {}
+    out = {}
+    for name in names:
+        source, kind, part = targets[name]
+        if source not in parts:
+            parts[source] = transform_tensor(kind, load(source))
+        out[name] = parts[source][part]
+    return out
+
+
 def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """TLM tensors for a source checkpoint (pure: the input is not modified; unchanged tensors are shared).
 
@@ -495,21 +476,21 @@ def tlm_state_dict_from_hf(hf_config, state_dict: dict[str, torch.Tensor]) -> di
     config = tlm_config_from_hf(hf_config)  # refuses what cannot be reproduced
     canonical = canonical_source_state_dict(hf_config, state_dict)
     targets, unexpected = tlm_targets(hf_config, canonical)
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, tuple[torch.Tensor, ...]] = {}
-    for target, (name, kind, part) in targets.items():
-        if name not in parts:
-            parts[name] = transform_tensor(kind, canonical[name])
-        out[target] = parts[name][part]
+    out = gather(targets, targets, canonical.__getitem__)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     _check_against_model(config, out, unexpected)
     return out
 
 
-def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], unexpected: list[str]) -> None:
+def tlm_shapes(config: TLMConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the state dict of ``TLMForCausalLM(config)`` (built on the meta device)."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
+
+
+def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], unexpected: list[str]) -> None:
+    expected = tlm_shapes(config)
     problems = [f"unexpected source tensor {k!r}" for k in unexpected]
     problems += [f"missing TLM tensor {k!r} (expected shape {s})" for k, s in expected.items() if k not in tensors]
     problems += [f"TLM tensor {k!r} has no place in the model" for k in tensors if k not in expected]
@@ -520,19 +501,6 @@ def _check_against_model(config: TLMConfig, tensors: dict[str, torch.Tensor], un
         raise ValueError("checkpoint does not match its config:\n  - " + "\n  - ".join(shown))
 
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "FAMILIES",
-    "FAMILY_BLOCK",
-    "TENSOR_TABLES",
-    "DROPPED_TENSORS",
-    "MLP_KEYS",
-    "family_of",
-    "tlm_config_from_hf",
-    "tlm_state_dict_from_hf",
-    "tlm_targets",
-    "canonical_source_state_dict",
-    "layer_template",
-    "transform_tensor",
-    "mlp_keys",
-]
+__all__ = ["SUPPORTED_ARCHITECTURES", "FAMILIES", "FAMILY_BLOCK", "TENSOR_TABLES", "DROPPED_TENSORS", "family_of",
+           "tlm_config_from_hf", "tlm_state_dict_from_hf", "tlm_targets", "canonical_source_state_dict",
+           "layer_template", "transform_tensor", "gather", "tlm_shapes", "GGUF_LLAMA_NAMES"]

@@ -136,7 +136,15 @@ class ModelLayers:
 
 @dataclass
 class LayerSettings:
-    """The options of the layer loop (see :func:`calibrate_and_plan` for their meaning)."""
+    """The options of the layer loop :func:`convert_layers`.
+
+    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
+    "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
+    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
+    starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
+    their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
+    does not apply to sandwich-norm (Gemma 3) blocks.
+    """
 
     importance: str = "activation"
     grow_init: str = "noise"
@@ -171,36 +179,18 @@ def calibration_needed(source_widths: list[int], widths: list[int], settings: La
 
 
 @torch.no_grad()
-def calibrate_and_plan(model, blocks: torch.Tensor, widths: list[int], importance: str = "activation",
-                       grow_init: str = "noise", refit: bool = True, batch_size: int = 8, seed: int = 0,
-                       noise_scale: float = NOISE_SCALE, damp: float = DAMP, refit_target: str = "local",
-                       progress=None, timer=None, policy: MemoryPolicy = IN_MEMORY) -> CalibrationResult:
-    """Convert ``model`` (a TLMForCausalLM with plain MLPs) in place to ``widths``; return the plans.
-
-    blocks: (n, S) token ids. ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context
-    manager that accounts seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank"
-    (scores, plan, the refit's solve) and "resize" (new weights and the MLP passes that use them).
-
-    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
-    "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
-    h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
-    starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
-    their output by the growth noise alone) and costs one more forward pass through the shrinking layers; it
-    does not apply to sandwich-norm (Gemma 3) blocks.
-    """
-    settings = LayerSettings(importance=importance, grow_init=grow_init, refit=refit, refit_target=refit_target,
-                             batch_size=batch_size, seed=seed, noise_scale=noise_scale, damp=damp)
-    return convert_layers(model.model, ModelLayers(model), blocks, widths, settings, policy, progress, timer)
-
-
-@torch.no_grad()
 def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: list[int], settings: LayerSettings,
                    policy: MemoryPolicy = IN_MEMORY, progress=None, timer=None) -> CalibrationResult:
     """The layer loop every conversion runs: ``base`` (a TLMModel whose embeddings, rotary tables and masks are
     usable; its layers are not touched) embeds the calibration blocks (n, S); then per layer i, ``layers.layer(i)``
     is calibrated, planned, refitted and resized to ``widths[i]``, handed to ``layers.done`` and its output carried
-    on. Arguments as :func:`calibrate_and_plan`. When :func:`calibration_needed` says no, no token runs (``blocks``
-    may be None): every layer is handed on unchanged, with no scores."""
+    on. When :func:`calibration_needed` says no, no token runs (``blocks`` may be None): every layer is handed on
+    unchanged, with no scores. For a model in memory: ``convert_layers(model.model, ModelLayers(model), ...)``
+    converts ``model`` in place.
+
+    ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context manager that accounts
+    seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank" (scores, plan, the refit's
+    solve) and "resize" (new weights and the MLP passes that use them)."""
     timer = timer or _no_timer
     if not calibration_needed(base.config.intermediate_sizes, widths, settings):
         return _pass_through(base, layers, progress)
@@ -314,11 +304,7 @@ class _LayerStep:
         with self.timer("calibrate"):
             with activation_stats(down, gram=obs and source_hidden is None and weights is None, keep=True, stop=True,
                                   block_rows=rows) as stats:
-                for z in mixed:  # the MLP up to its down projection: the hook records a and stops the forward
-                    try:
-                        layer.feed_forward(z)
-                    except StopForward:
-                        pass
+                _run_to_down_proj(layer, mixed)
         score = self.scores(i, layer, stats)
         if obs:  # OBS prunes from the least-squares optimum of the target: D itself (local), D* (residual)
             start = down.weight  # the local target's optimum under any token weights
@@ -390,11 +376,7 @@ class _LayerStep:
             targets = _mlp_targets(layer, mixed, source_hidden) if self.reconstructs(layer) else None
             with activation_stats(down, gram=solve and weights is None, stop=True, block_rows=rows,
                                   on_batch=(lambda a: [f(a) for f in sums]) if sums else None) as stats:
-                for z in mixed:
-                    try:
-                        layer.feed_forward(z)
-                    except StopForward:
-                        pass
+                _run_to_down_proj(layer, mixed)
         score = self.scores(i, layer, stats)
         gram, stats.gram = stats.gram if weighted is None else weighted.gram, None
         with self.timer("rank"):  # cross.take(): AᵀY (I, d), held by the solve alone (freed as soon as it is used)
@@ -474,6 +456,16 @@ def _mlp_targets(layer, mixed, source_hidden, acts=None) -> list:
     return out
 
 
+def _run_to_down_proj(layer, mixed: list) -> None:
+    """Every batch's MLP up to its down projection, whose ``stop=True`` statistics hook records the activations and
+    stops the forward."""
+    for z in mixed:
+        try:
+            layer.feed_forward(z)
+        except StopForward:
+            pass
+
+
 def _consume(mixed: list, fn) -> list:
     """[fn(z) for z in mixed], freeing each z once used."""
     out = []
@@ -523,21 +515,9 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
 
 
 def _feed_forward_reusing(layer, z, a, plan):
-    """feed_forward(z) after resizing, reusing the first pass's activations a (B, S, I_source): kept neurons are
-    sliced from a, only new neurons are computed. Equals ``layer.feed_forward(z)`` with the new weights."""
-    mlp = layer.mlp
-    a = a[..., plan.keep]
-    if plan.grow:
-        x = layer.post_attention_layernorm(z)
-        new = slice(len(plan.keep), plan.width)
-        up = F.linear(x, mlp.up_proj.weight[new], None if mlp.up_proj.bias is None else mlp.up_proj.bias[new])
-        if hasattr(mlp, "gate_proj"):
-            gate = mlp.gate_proj
-            extra = mlp.act_fn(F.linear(x, gate.weight[new], None if gate.bias is None else gate.bias[new])) * up
-        else:
-            extra = mlp.act_fn(up)
-        a = torch.cat([a, extra], dim=-1)
-    y = mlp.down_proj(a)
+    """feed_forward(z) after shrinking, reusing the first pass's activations a (B, S, I_source): the kept neurons'
+    are sliced from a. Equals ``layer.feed_forward(z)`` with the new weights."""
+    y = layer.mlp.down_proj(a[..., plan.keep])
     if layer.sandwich:
         y = layer.post_feedforward_layernorm(y)
     return z + y
@@ -571,5 +551,5 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
     mlp.intermediate_size = plan.width
 
 
-__all__ = ["calibrate_and_plan", "convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
+__all__ = ["convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
            "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]

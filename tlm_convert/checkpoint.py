@@ -17,9 +17,9 @@ TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with 
 folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
 settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
 
-``open_safetensors_lazy`` / ``iter_source_tensors`` read a checkpoint one tensor at a time (source names;
-safetensors with plain file reads, not memory maps);
-tlm_convert.stream reads one layer at a time (TLM names) for the low-memory policy.
+``SafetensorsFiles``, ``BinTensors`` and ``GGUFTensors`` read a checkpoint one tensor at a time (safetensors with
+plain file reads, not memory maps); tlm_convert.stream reads one layer at a time with them for the low-memory
+policy.
 """
 
 from __future__ import annotations
@@ -28,23 +28,25 @@ import json
 import os
 import re
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tlm import TLMConfig, TLMForCausalLM
+from tlm import TLMConfig
 
 from .archs import (
     DROPPED_TENSORS,
+    GGUF_LLAMA_NAMES,
     SUPPORTED_ARCHITECTURES,
     canonical_source_state_dict,
     family_of,
     tlm_config_from_hf,
+    tlm_shapes,
     tlm_state_dict_from_hf,
 )
-from .errors import ConversionError, one_line
+from .errors import ConversionError, first_few, one_line
 
 # the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -209,57 +211,6 @@ def all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
     return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
 
 
-def open_safetensors_lazy(path: str | os.PathLike) -> SafetensorsFiles:
-    """Every tensor of a safetensors checkpoint (a folder, sharded or not, or one .safetensors file), lazily.
-
-    The file headers are read (and validated) now; tensor data is read when a value is accessed.
-    """
-    path = Path(path)
-    if path.is_dir():
-        kind, files = weight_files(path)
-        if kind != "safetensors":
-            raise ConversionError(f"'{path}' holds .bin weights, not safetensors; use iter_source_tensors for it")
-    else:
-        files = [path]
-    return SafetensorsFiles(files)
-
-
-def iter_source_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None, check_finite: bool = True,
-                        exempt: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """(source name, tensor) for every tensor of a transformers or TLM checkpoint folder, one at a time.
-
-    Safetensors are read tensor by tensor; a .bin shard is memory-mapped and released before the next one.
-    Floating tensors are cast to ``dtype`` when given; with ``check_finite`` the first NaN/Inf tensor raises,
-    except for names that fully match one of the ``exempt`` regular expressions (buffers the import drops).
-    """
-    patterns = [re.compile(p) for p in exempt]
-
-    def prepare(name, tensor, file):
-        checked = check_finite and not any(p.fullmatch(name) for p in patterns)
-        return prepare_tensor(name, tensor, file, dtype, checked)
-
-    path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        raise ConversionError(f"'{path}' is a GGUF file, which is read whole (dequantised by transformers); "
-                              "load it with load_source instead of streaming it")
-    if path.is_dir():
-        kind, files = weight_files(path)
-    elif path.suffix == ".safetensors":
-        kind, files = "safetensors", [path]
-    else:
-        kind, files = "bin", [path]
-    if kind == "safetensors":
-        lazy = open_safetensors_lazy(path) if path.is_file() else None
-        for file in files:
-            shard = lazy if lazy is not None else open_safetensors_lazy(file)
-            for name in shard:
-                yield name, prepare(name, shard[name], file)
-        return
-    for file in files:
-        for name, tensor in _load_bin(file).items():
-            yield name, prepare(name, tensor, file)
-
-
 def prepare_tensor(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None,
                    check_finite: bool = True) -> torch.Tensor:
     """``tensor`` (named ``name``, read from ``file``) checked for NaN/Inf and cast to ``dtype`` (ConversionErrors)."""
@@ -276,19 +227,26 @@ def prepare_tensor(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | N
     return tensor
 
 
-def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+def _load_bin(file: Path, mapped_only: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of a .bin file, memory-mapped (``weights_only``: no pickled code runs). A legacy (non-zip)
+    file cannot be mapped: it is read whole, or with ``mapped_only`` (one tensor at a time) refused."""
     if not file.is_file():
         raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint")
+    legacy = False
     try:
         try:
             obj = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as err:
-            if "mmap" not in str(err):  # legacy (non-zip) files cannot be memory-mapped
+            if "mmap" not in str(err):
                 raise
-            obj = torch.load(str(file), map_location="cpu", weights_only=True)
+            legacy = True
+            obj = None if mapped_only else torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConversionError(f"'{file}' cannot be read as a weights-only PyTorch checkpoint ({one_line(err)}); it is "
                               "corrupt, truncated or holds pickled code: re-download it or use safetensors") from None
+    if legacy and mapped_only:
+        raise ConversionError(f"'{file}' is a legacy PyTorch file, which cannot be read one tensor at a time; drop "
+                              "--low-memory, or re-save the model with save_pretrained")
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -299,34 +257,16 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
 
 class BinTensors(TensorIndex):
     """name -> tensor of a set of PyTorch .bin shards, one tensor at a time: each access maps its shard
-    (``torch.load(weights_only=True, mmap=True)``: no pickled code runs), copies the tensor out and lets go of the
-    mapping. Legacy (non-zip) files cannot be mapped and are refused."""
+    (``_load_bin``), copies the tensor out and lets go of the mapping. Legacy (non-zip) files are refused."""
 
     def __init__(self, files):
         super().__init__()
         for file in files:
-            for name, tensor in self._map(file).items():
+            for name, tensor in _load_bin(file, mapped_only=True).items():
                 self._where[name] = (file, tuple(tensor.shape), None)
 
-    @staticmethod
-    def _map(file: Path) -> dict[str, torch.Tensor]:
-        try:
-            obj = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" in str(err):
-                raise ConversionError(f"'{file}' is a legacy PyTorch file, which cannot be read one tensor at a "
-                                      "time; drop --low-memory, or re-save the model with save_pretrained") from None
-            return _load_bin(file)  # the same file, whose errors _load_bin reports
-        except Exception:
-            return _load_bin(file)
-        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-            obj = obj["state_dict"]
-        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return _load_bin(file)
-        return obj
-
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._map(self._where[name][0])[name].clone()
+        return _load_bin(self._where[name][0], mapped_only=True)[name].clone()
 
 
 def weight_files(folder: Path) -> tuple[str, list[Path]]:
@@ -365,9 +305,18 @@ def read_json(file: Path) -> dict:
     return data
 
 
-def _read_state_dict(folder: Path, dtype: torch.dtype, family: str | None = None) -> dict[str, torch.Tensor]:
-    exempt = _UNUSED_TENSORS.get(family, ())
-    return dict(iter_source_tensors(folder, dtype=dtype, check_finite=True, exempt=exempt))
+def read_state_dict(folder: Path, dtype: torch.dtype, family: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers or TLM checkpoint folder (source names), read shard by shard, checked for
+    NaN/Inf (except the buffers the import of ``family`` drops) and cast to ``dtype``."""
+    kind, files = weight_files(folder)
+    exempt = [re.compile(p) for p in _UNUSED_TENSORS.get(family, ())]
+    out = {}
+    for file in files:
+        shard = SafetensorsFiles([file]) if kind == "safetensors" else _load_bin(file)
+        for name in shard:
+            checked = not any(p.fullmatch(name) for p in exempt)
+            out[name] = prepare_tensor(name, shard[name], file, dtype, checked)
+    return out
 
 
 # tensors the import drops (archs.DROPPED_TENSORS, in every file spelling): their values do not matter
@@ -418,28 +367,46 @@ def load_source(source: str | os.PathLike, dtype: torch.dtype | str = torch.floa
     """Load a transformers folder, a .gguf file, a TLM checkpoint or a hub id ``org/name`` (see the module doc).
     ``trust_remote_code`` lets the tokenizer run the source's own code (never the model: only known architectures
     are read)."""
-    src = _load_source(source, _as_dtype(dtype))
+    dtype = _as_dtype(dtype)
+    path = locate(source)
+    src = _load_gguf(path, dtype) if path.is_file() else _load_folder(path, dtype)
     src.trust_remote_code = trust_remote_code
     return src
 
 
-def _load_source(source: str | os.PathLike, dtype: torch.dtype) -> Source:
+def locate(source: str | os.PathLike, download: bool = True) -> Path:
+    """The checkpoint ``source`` names: a .gguf file or a folder with config.json. A hub id ``org/name`` that is not a
+    local path is downloaded, or refused without ``download`` (the low-memory policy streams local files only)."""
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
     if not path.exists():
-        if HUB_ID.fullmatch(text) and ".." not in text:
-            path = _download(text)
-        else:
+        if not (HUB_ID.fullmatch(text) and ".." not in text):
             raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "
                                   "TLM checkpoint folder or a hub id of the form org/name")
+        if not download:
+            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local checkpoint: download "
+                                  f"it first (hf download {text} --local-dir DIR) and pass DIR, or drop --low-memory")
+        path = _download(text)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _load_gguf(path, dtype)
+            return path
         if path.name != "config.json":
             raise ConversionError(f"'{path}' is a file but not a .gguf; pass the model folder (with config.json) "
                                   "or a .gguf file")
         path = path.parent
-    return _load_folder(path, dtype)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ConversionError(f"folder '{path}' has no config.json but {len(ggufs)} .gguf files; pass one of "
+                                  f"them, e.g. '{ggufs[0]}'")
+        if (path / "adapter_config.json").is_file():
+            raise ConversionError(f"folder '{path}' holds a PEFT/LoRA adapter, not a full model; merge it into its "
+                                  "base model (merge_and_unload + save_pretrained) and convert that folder")
+        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
+                              "model.safetensors), a .gguf file or a TLM checkpoint folder")
+    return path
 
 
 def _as_dtype(dtype) -> torch.dtype:
@@ -485,35 +452,22 @@ def _download(repo_id: str) -> Path:
     return folder
 
 
-def _unsupported(model_type, architectures, where) -> ConversionError:
+def unsupported_error(model_type, architectures, where) -> ConversionError:
     arch = f" ({', '.join(map(str, architectures))})" if architectures else ""
     return ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{where}'; tlm-convert "
                            f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
 
 
 def _load_folder(path: Path, dtype: torch.dtype) -> Source:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
-        if ggufs:
-            raise ConversionError(f"folder '{path}' has no config.json but {len(ggufs)} .gguf files; pass one of "
-                                  f"them, e.g. '{ggufs[0]}'")
-        if (path / "adapter_config.json").is_file():
-            raise ConversionError(f"folder '{path}' holds a PEFT/LoRA adapter, not a full model; merge it into its "
-                                  "base model (merge_and_unload + save_pretrained) and convert that folder")
-        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
-                              "model.safetensors), a .gguf file or a TLM checkpoint folder")
-    raw = read_json(config_file)
+    raw = read_json(path / "config.json")
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise _unsupported(model_type, raw.get("architectures"), path)
+        raise unsupported_error(model_type, raw.get("architectures"), path)
     hf_config = read_hf_config(path, raw)
     weight_files(path)  # "config without weights" before anything is read
-    tensors = _read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
+    tensors = read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
     return _from_hf("hf", path, hf_config, tensors, tokenizer_source=tokenizer_folder(path),
                     generation_config=generation_config_of(path))
 
@@ -622,7 +576,7 @@ def count_params(state_dict: Mapping[str, torch.Tensor]) -> int:
 def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
     config = read_tlm_config(path)
     weight_files(path)
-    tensors = _read_state_dict(path, dtype)
+    tensors = read_state_dict(path, dtype)
     notes = []
     tie_missing_head(config, tensors, notes)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
@@ -635,47 +589,32 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
 
 def check_tlm_state_dict(config: TLMConfig, tensors: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:
     """ConversionError unless ``tensors`` has exactly the names and shapes of ``TLMForCausalLM(config)``."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in TLMForCausalLM(config).state_dict().items()}
-    missing = [k for k in expected if k not in tensors]
-    extra = [k for k in tensors if k not in expected]
-    wrong = [f"{k} {tuple(tensors[k].shape)} (expected {expected[k]})" for k in expected
-             if k in tensors and tuple(tensors[k].shape) != expected[k]]
-    problems = ([f"missing {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")]
-                if missing else [])
-    problems += [f"unexpected {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")] \
-        if extra else []
-    problems += [f"wrong shape {', '.join(wrong[:3])}" + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")] \
-        if wrong else []
+    check_shapes(tlm_shapes(config), {k: tuple(v.shape) for k, v in tensors.items()}, where)
+
+
+def check_shapes(expected: Mapping[str, tuple], shapes: Mapping[str, tuple], where: str) -> None:
+    """ConversionError unless ``shapes`` (name -> shape) has exactly the names and shapes of ``expected``."""
+    missing = [k for k in expected if k not in shapes]
+    extra = [k for k in shapes if k not in expected]
+    wrong = [f"{k} {shapes[k]} (expected {expected[k]})" for k in expected if k in shapes and shapes[k] != expected[k]]
+    problems = [f"{what} {first_few(names)}" for what, names in (("missing", missing), ("unexpected", extra),
+                                                                   ("wrong shape", wrong)) if names]
     if problems:
-        raise ConversionError(f"the tensors of {where} do not match its TLM config: {'; '.join(problems)}; "
+        raise ConversionError(f"the tensors of {where} do not match its config: {'; '.join(problems)}; "
                               "re-download the checkpoint or fix config.json")
 
 
-# GGUF tensor name (blk.{i}. stripped) -> transformers name (model.layers.{i}. stripped), llama architecture
-_GGUF_LLAMA_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_LLAMA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
+_FROM_GGUF = {gguf: name for name, gguf in GGUF_LLAMA_NAMES.items()}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def _gguf_llama_name(name: str) -> str | None:
-    if name in _GGUF_LLAMA_GLOBAL:
-        return _GGUF_LLAMA_GLOBAL[name]
+    """The transformers name of a llama GGUF tensor (None for a tensor the Llama block has no place for)."""
     m = _GGUF_BLOCK.fullmatch(name)
-    if m is None or m.group(2) not in _GGUF_LLAMA_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_GGUF_LLAMA_NAMES[m.group(2)]}"
+    if m is None:
+        return _FROM_GGUF.get(name)
+    template = _FROM_GGUF.get("blk.{i}." + m.group(2))
+    return None if template is None else template.format(i=m.group(1))
 
 
 def _unpermute_gguf_rows(weights, n_head: int):
@@ -768,7 +707,7 @@ def read_gguf_config(file: Path):
         raise ConversionError(f"'{file}' cannot be read as GGUF ({text}); it is corrupt or truncated, "
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise _unsupported(hf_config.model_type, None, file)
+        raise unsupported_error(hf_config.model_type, None, file)
     return hf_config
 
 
@@ -798,23 +737,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
                     generation_config=generation_config)
 
 
-__all__ = [
-    "Source",
-    "TIED_NOTE",
-    "import_hf_config",
-    "read_tlm_config",
-    "tie_missing_head",
-    "SafetensorsFiles",
-    "TensorIndex",
-    "prepare_tensor",
-    "all_finite",
-    "GGUFTensors",
-    "BinTensors",
-    "read_gguf_config",
-    "load_source",
-    "open_safetensors_lazy",
-    "iter_source_tensors",
-    "weight_files",
-    "count_params",
-    "check_tlm_state_dict",
-]
+__all__ = ["Source", "TIED_NOTE", "import_hf_config", "read_tlm_config", "tie_missing_head", "SafetensorsFiles",
+           "TensorIndex", "BinTensors", "GGUFTensors", "prepare_tensor", "all_finite", "read_gguf_config",
+           "read_state_dict", "load_source", "weight_files", "count_params", "check_tlm_state_dict",
+           "check_shapes", "unsupported_error", "locate"]

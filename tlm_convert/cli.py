@@ -223,8 +223,6 @@ def convert_main(input_model, output, export_format, **kwargs):
 
         quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
-        if options.multiple_of is not None and options.multiple_of < 1:  # 0 would silently mean "the default"
-            raise ConversionError(f"option --multiple-of must be a positive integer, got {options.multiple_of}")
         _check_device(options.device)
         _return_freed_memory()
         report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)

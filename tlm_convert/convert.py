@@ -91,7 +91,8 @@ class ConvertOptions:
             self.importance = "obs"
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS)}
+                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
+                   "refit_target": (self.refit_target, REFIT_TARGETS)}
         for name, (value, allowed) in choices.items():
             if value not in allowed and not (name == "importance" and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
@@ -106,8 +107,6 @@ class ConvertOptions:
                                   f"{self.multiple_of} is not (drop it, or use --export tlm)")
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
-        if self.refit_target not in REFIT_TARGETS:
-            raise ConversionError(f"--refit-target {self.refit_target!r}: expected local or residual")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
@@ -186,7 +185,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
         if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
             calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
-        evalb = eval_blocks(tokenizer, opts)
+        evalb = eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)  # None without sets
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     report = report_head(src, opts, widths, calib)
@@ -203,8 +202,8 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         config.intermediate_sizes = list(widths)
         scores = [carry_scores(s, p.keep, p.grow) for s, p in zip(result.scores, result.plans)]
         config, state = upcycle(config, model.state_dict(), opts.mixer, scores, seed=opts.seed)
-        final = _strict_reload(config, state, opts)
-        report.update(_param_report(src, final, opts))
+        final = materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()  # a strict reload
+        report.update(_param_report(src.num_params, sum(p.numel() for p in final.parameters()), opts))
     if evalb is not None:
         with timer("eval"):
             after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
@@ -265,10 +264,7 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
         layers.embed()
         result = convert_layers(layers.base, layers, calib, widths, settings, LOW_MEMORY, on_layer, timer)
         layers.finish()
-        report.update(layers.param_report())
-        if opts.mixer == "attention" and report["params_after"] != report["params_before"]:
-            raise ConversionError(f"internal error: {report['params_after']} parameters written, "
-                                  f"{report['params_before']} in the source")
+        report.update(_param_report(src.num_params, layers.params_written, opts))
         if evalb is not None:
             report.update(perplexity_entries(layers.perplexity_before, layers.perplexity_after,
                                               opts.calibration_data))
@@ -295,22 +291,11 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
         raise ConversionError(str(err).splitlines()[0]) from None
 
 
-def eval_blocks(tokenizer, opts):
-    """{set: evaluation blocks} of ``--eval-data`` (None without it)."""
-    return eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)
-
-
-def _strict_reload(config, state, opts):
-    """The converted weights, reloaded strictly into a model built from the new config."""
-    return materialize(config, state).to(dtype=getattr(torch, opts.dtype)).eval()
-
-
-def _param_report(src, final, opts) -> dict:
-    after = sum(p.numel() for p in final.parameters())
-    if opts.mixer == "attention" and after != src.num_params:
-        raise ConversionError(f"internal error: {after} parameters after conversion, {src.num_params} before")
-    return {"params_before": src.num_params, "params_after": after,
-            "params_added_by_mixer": after - src.num_params}
+def _param_report(before: int, after: int, opts) -> dict:
+    """The report's parameter counts; an attention conversion must keep the count exactly."""
+    if opts.mixer == "attention" and after != before:
+        raise ConversionError(f"internal error: {after} parameters after conversion, {before} before")
+    return {"params_before": before, "params_after": after, "params_added_by_mixer": after - before}
 
 
 def report_head(src, opts, widths, calib) -> dict:
@@ -351,6 +336,6 @@ def rss_mb() -> float | None:
         return None
 
 
-__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "eval_blocks", "report_head",
+__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "report_head",
            "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
 

@@ -21,6 +21,12 @@ def one_line(message: object) -> str:
     return out
 
 
+def first_few(items, n: int = 3, sep: str = ", ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, then "and k more" for the rest."""
+    items = list(items)
+    return sep.join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 class ConversionError(ValueError):
     """A conversion cannot go ahead. ``str(err)`` is one line: what is wrong, then how to fix it."""
 
@@ -28,4 +34,4 @@ class ConversionError(ValueError):
         super().__init__(one_line(message))
 
 
-__all__ = ["ConversionError", "one_line"]
+__all__ = ["ConversionError", "first_few", "one_line"]

@@ -51,9 +51,6 @@ FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
 
 
-
-
-
 # ============================================================================================== entry point
 
 
@@ -584,21 +581,5 @@ __all__ = ["DeciLMModel", "DeciLMForCausalLM"]
 '''
 
 
-__all__ = [
-    "FORMATS",
-    "STOCK_CLASSES",
-    "export_model",
-    "export_checkpoint",
-    "portable_tokenizer_config",
-    "target_model_type",
-    "uniform_hf_config",
-    "check_round_trip",
-    "hf_state_dict_from_tlm",
-    "pad_mlp_state_dict",
-    "write_safetensors",
-    "check_deci",
-    "check_mixers",
-    "ffn_mult_for",
-    "deci_width",
-    "tapered_modeling_source",
-]
+__all__ = ["FORMATS", "export_model", "export_checkpoint", "portable_tokenizer_config", "write_safetensors",
+           "check_deci", "ffn_mult_for", "deci_width", "tapered_modeling_source"]

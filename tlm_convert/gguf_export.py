@@ -31,6 +31,7 @@ import torch
 from tlm import TLMConfig
 from tlm.modules import rope_inv_freq
 
+from .archs import GGUF_LLAMA_NAMES, layer_template
 from .errors import ConversionError, one_line
 from .hf_layout import check_mixers, check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
 
@@ -41,21 +42,6 @@ WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
 _TYPE_OF_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 GGUF_FILE = "model.gguf"
 
-# llama.cpp tensor names of the Llama block (transformers names with the layer index as {i})
-_TENSOR_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
-}
 
 
 # ============================================================================================== checks
@@ -95,11 +81,10 @@ def gguf_tensors(config: TLMConfig, state_dict) -> dict[str, torch.Tensor]:
     """llama.cpp-named fp32 tensors of a (checked) Llama-block TLM, q/k rows permuted, plus ``rope_freqs``."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state_dict_from_tlm(config, state_dict, "llama").items():
-        m = re.search(r"\.(\d+)\.", name)
-        template = name if m is None else name[: m.start()] + ".{i}." + name[m.end():]
-        if template not in _TENSOR_NAMES:
+        template, layer = layer_template(name)
+        if template not in GGUF_LLAMA_NAMES:
             raise ConversionError(f"tensor '{name}' has no place in a llama.cpp deci model; use --export tlm")
-        target = _TENSOR_NAMES[template].format(i=m.group(1) if m else "")
+        target = GGUF_LLAMA_NAMES[template].format(i=layer)
         tensor = tensor.detach().to(torch.float32)
         if template.endswith("q_proj.weight"):
             tensor = _permute_rope_rows(tensor, config.num_attention_heads)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,24 +34,17 @@ from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
 
-from .archs import (
-    CONV1D,
-    COPY,
-    QKV_BIAS,
-    QKV_CONV1D,
-    SUPPORTED_ARCHITECTURES,
-    family_of,
-    tlm_targets,
-    transform_tensor,
-)
+from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
 from .checkpoint import (
-    HUB_ID,
     BinTensors,
     GGUFTensors,
     TensorIndex,
     SafetensorsFiles,
+    Source,
+    check_shapes,
     generation_config_of,
     import_hf_config,
+    locate,
     prepare_tensor,
     read_hf_config,
     read_gguf_config,
@@ -60,10 +52,10 @@ from .checkpoint import (
     read_tlm_config,
     tie_missing_head,
     tokenizer_folder,
-    tokenizer_kwargs,
+    unsupported_error,
     weight_files,
 )
-from .errors import ConversionError
+from .errors import ConversionError, first_few
 from .export import copy_tokenizer, write_generation_config
 from .perplexity import nll_sum
 from .upcycle import carry_scores, upcycle_layer
@@ -90,29 +82,14 @@ def check_streamable(opts) -> None:
 # ============================================================================================== source
 
 
-@dataclass
-class StreamSource:
-    """A checkpoint read tensor by tensor: TLM name -> (source name, transform, part) in ``targets``.
-    Answers what :class:`~tlm_convert.checkpoint.Source` answers, without its ``state_dict``."""
+@dataclass(kw_only=True)
+class StreamSource(Source):
+    """A :class:`~tlm_convert.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
+    (source name, transform, part) in ``targets``."""
 
-    kind: str  # "hf", "gguf" or "tlm"
-    path: str
-    family: str
-    tlm_config: TLMConfig
     tensors: TensorIndex  # SafetensorsFiles, BinTensors or GGUFTensors
     targets: dict[str, tuple[str, str, int]]
     shapes: dict[str, tuple[int, ...]]  # TLM name -> shape
-    tokenizer_source: str | tuple[str, str] | None  # as Source.tokenizer_source
-    generation_config: object | None
-    notes: list[str] = field(default_factory=list)
-    trust_remote_code: bool = False  # as Source.trust_remote_code
-
-    @property
-    def num_params(self) -> int:
-        return sum(math.prod(s) for s in self.shapes.values())
-
-    def tokenizer_kwargs(self) -> tuple[str, dict] | None:
-        return tokenizer_kwargs(self.tokenizer_source, self.trust_remote_code)
 
     def layer_names(self, i: int) -> list[str]:
         prefix = f"model.layers.{i}."
@@ -123,16 +100,7 @@ class StreamSource:
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """The TLM tensors ``names`` in fp32, each source tensor read (and checked) once."""
-        groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
-        for name in names:
-            source, kind, part = self.targets[name]
-            groups.setdefault((source, kind), []).append((name, part))
-        out = {}
-        for (source, kind), wanted in groups.items():
-            parts = transform_tensor(kind, self._load(source))
-            for name, part in wanted:
-                out[name] = parts[part]
-        return out
+        return gather(self.targets, names, self._load)
 
     def _load(self, name: str) -> torch.Tensor:
         return prepare_tensor(name, self.tensors[name], self.tensors.file(name), torch.float32)
@@ -141,48 +109,26 @@ class StreamSource:
 def open_stream(source, trust_remote_code: bool = False) -> StreamSource:
     """Open a local checkpoint for streaming: a transformers or TLM folder (safetensors, or zip-format .bin), or a
     llama-architecture .gguf file (or a folder holding exactly one); everything else is refused."""
-    src = _open_stream(source)
+    path = locate(source, download=False)
+    src = _open_gguf(path) if path.is_file() else _open_folder(path)
     src.trust_remote_code = trust_remote_code
     return src
 
 
-def _open_stream(source) -> StreamSource:
-    text = os.fspath(source)
-    path = Path(os.path.expanduser(text))
-    if not path.exists():
-        if HUB_ID.fullmatch(text) and ".." not in text:
-            raise ConversionError(f"'{text}' is not a local folder; --low-memory streams a local checkpoint: download "
-                                  f"it first (hf download {text} --local-dir DIR) and pass DIR, or drop --low-memory")
-        raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder (config.json + "
-                              "model.safetensors) or a .gguf file")
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return _open_gguf(path)
-        if path.name != "config.json":
-            raise ConversionError(f"'{path}' is a file; --low-memory streams a transformers model folder (config.json "
-                                  "+ weights) or a .gguf file: pass the folder, or drop --low-memory")
-        path = path.parent
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _open_gguf(ggufs[0])
-        raise ConversionError(f"folder '{path}' has no config.json; pass a transformers model folder (config.json + "
-                              "model.safetensors) or a .gguf file")
+def _open_folder(path: Path) -> StreamSource:
     raw = read_json(path / "config.json")
     kind, files = weight_files(path)
     tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []
     if raw.get("model_type") == "tlm":
+        kind, hf_config = "tlm", None
         config, targets = _tlm_targets(path, tensors, notes)
-        kind, family = "tlm", "tlm"
     else:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            arch = f" ({', '.join(map(str, raw.get('architectures') or []))})" if raw.get("architectures") else ""
-            raise ConversionError(f"unsupported architecture: model_type {model_type!r}{arch} in '{path}'; tlm-convert "
-                                  f"imports the model types {', '.join(SUPPORTED_ARCHITECTURES)} and TLM checkpoints")
-        config, targets, family = _hf_targets(path, read_hf_config(path, raw), tensors, notes)
-        kind = "hf"
-    return _stream_source(kind, path, family, config, tensors, targets, tokenizer_folder(path),
+            raise unsupported_error(model_type, raw.get("architectures"), path)
+        kind, hf_config = "hf", read_hf_config(path, raw)
+        config, targets = _hf_targets(path, hf_config, tensors, notes)
+    return _stream_source(kind, path, hf_config, config, tensors, targets, tokenizer_folder(path),
                           generation_config_of(path), notes)
 
 
@@ -196,29 +142,29 @@ def _open_gguf(file: Path) -> StreamSource:
                               "llama-architecture file); drop --low-memory")
     hf_config.dtype = torch.float32  # as load_source leaves it
     notes: list[str] = []
-    config, targets, family = _hf_targets(file, hf_config, tensors, notes)
-    return _stream_source("gguf", file, family, config, tensors, targets, (str(file.parent), file.name),
+    config, targets = _hf_targets(file, hf_config, tensors, notes)
+    return _stream_source("gguf", file, hf_config, config, tensors, targets, (str(file.parent), file.name),
                           GenerationConfig.from_model_config(hf_config), notes)
 
 
-def _stream_source(kind, path, family, config, tensors, targets, tokenizer_source, generation_config, notes):
-    shapes = {name: _target_shape(kind_, tensors.shape(src), part) for name, (src, kind_, part) in targets.items()}
-    _check_shapes(config, shapes, path)
-    return StreamSource(kind=kind, path=str(path), family=family, tlm_config=config, tensors=tensors, targets=targets,
-                        shapes=shapes, tokenizer_source=tokenizer_source, generation_config=generation_config,
-                        notes=notes)
+def _stream_source(kind, path, hf_config, config, tensors, targets, tokenizer_source, generation_config, notes):
+    shapes = {name: tuple(transform_tensor(kind_, torch.empty(tensors.shape(src), device="meta"))[part].shape)
+              for name, (src, kind_, part) in targets.items()}  # the shapes the transforms give, without data
+    check_shapes(expected_shapes(config), shapes, f"'{path}'")
+    return StreamSource(kind=kind, path=str(path), hf_config=hf_config, tlm_config=config, state_dict={},
+                        family="tlm" if hf_config is None else family_of(hf_config),
+                        num_params=sum(math.prod(s) for s in shapes.values()), tokenizer_source=tokenizer_source,
+                        generation_config=generation_config, notes=notes, tensors=tensors, targets=targets,
+                        shapes=shapes)
 
 
 def _hf_targets(path: Path, hf_config, tensors, notes: list):
-    family = family_of(hf_config)
     canonical, config = import_hf_config(path, hf_config, {name: name for name in tensors}, notes)  # -> file name
     targets, unexpected = tlm_targets(hf_config, canonical)
     if unexpected:
-        more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise ConversionError(f"the weights in '{path}' do not match its config: unexpected source tensor(s) "
-                              f"{', '.join(unexpected[:3])}{more}; re-download the checkpoint or fix config.json")
-    targets = {out: (canonical[name], kind, part) for out, (name, kind, part) in targets.items()}
-    return config, targets, family
+                              f"{first_few(unexpected)}; re-download the checkpoint or fix config.json")
+    return config, {out: (canonical[name], kind, part) for out, (name, kind, part) in targets.items()}
 
 
 def _tlm_targets(path: Path, tensors, notes: list):
@@ -228,38 +174,12 @@ def _tlm_targets(path: Path, tensors, notes: list):
     return config, targets
 
 
-def _target_shape(kind: str, shape: tuple[int, ...], part: int) -> tuple[int, ...]:
-    if kind == COPY:
-        return tuple(shape)
-    if kind == CONV1D:
-        return tuple(reversed(shape))
-    if kind == QKV_CONV1D:  # (d, 3d): three column blocks, each transposed
-        return (shape[1] // 3, shape[0])
-    if kind == QKV_BIAS:
-        return (shape[0] // 3,)
-    raise AssertionError(kind)
-
-
 def expected_shapes(config: TLMConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of ``config`` stores (a tied lm_head is not stored)."""
-    with torch.device("meta"):
-        model = TLMForCausalLM(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = tlm_shapes(config)
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
-
-
-def _check_shapes(config: TLMConfig, shapes: dict, path) -> None:
-    expected = expected_shapes(config)
-    problems = [f"missing {k}" for k in expected if k not in shapes]
-    problems += [f"unexpected {k}" for k in shapes if k not in expected]
-    problems += [f"{k} has shape {shapes[k]}, expected {expected[k]}" for k in expected
-                 if k in shapes and shapes[k] != expected[k]]
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConversionError(f"the weights in '{path}' do not match its config: {'; '.join(problems[:3])}{more}; "
-                              "re-download the checkpoint or fix config.json")
 
 
 # ============================================================================================== the loop's layers
@@ -355,10 +275,6 @@ class StreamedLayers:
         with self.timer("save"):
             self._write_shard(self.num_shards, cast)
             self._write_model_files()
-
-    def param_report(self) -> dict:
-        before, after = self.src.num_params, self.params_written
-        return {"params_before": before, "params_after": after, "params_added_by_mixer": after - before}
 
     def _write_shard(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
