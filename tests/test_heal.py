@@ -175,6 +175,13 @@ def test_the_heal_recipe_file_has_the_heal_defaults():
             assert recipe[section].get(key) == value, f"{section}.{key}"
 
 
+def test_heal_steps_count_the_batch_the_overrides_set():
+    """N heal tokens are N / (batch x accumulation x seq_len) steps, rounded up, with the batch after overrides."""
+    assert heal_module.heal_recipe("s", "t", "default", 3000, "out", 64).train.max_steps == 24  # 2 x 64 a step
+    assert heal_module.heal_recipe("s", "t", "default", 3000, "out", 64,
+                                   overrides=("train.batch_size=4", "train.grad_accum=3")).train.max_steps == 4
+
+
 def test_trainable_patterns_freeze_the_rest(source, tmp_path):
     from tlm_train.recipe import RecipeError
     from tlm_train.trainer import select_trainable

@@ -77,12 +77,15 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
     spec.update(output_dir=output_dir, init_from=student, seed=seed, trust_remote_code=trust_remote_code)
     spec["distill"]["teacher"] = teacher
     spec["data"].update(train=data, seq_len=seq_len, eval_tokens=max(spec["data"]["eval_tokens"], seq_len))
-    spec["train"].update(max_steps=math.ceil(tokens / tokens_per_step(seq_len)), device=device)
+    spec["train"].update(device=device)
     spec["log"]["progress"] = progress
     try:
-        return recipe_from_dict(spec, overrides, name="heal recipe")
+        recipe = recipe_from_dict(spec, overrides, name="heal recipe")
     except RecipeError as err:
         raise ConversionError(str(err).replace("\n", ";")) from None
+    step = recipe.train.batch_size * recipe.train.grad_accum * seq_len  # tokens a step, overrides included
+    recipe.train.max_steps = math.ceil(tokens / step)
+    return recipe
 
 
 def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
