@@ -3,8 +3,9 @@
 The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input
 checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: checkpoints,
 metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (the measured defaults, bench/RESULTS.md "Heal";
-recipes/cpt/smollm2-135m-heal.yaml is the same recipe for longer runs). The learning rate is constant after a short
-warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run).
+recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file). The learning rate is constant after a
+short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run). The
+defaults suit short heals (tens of thousands of tokens); recipes/cpt/smollm2-135m-heal-long.yaml is for long ones.
 
 Everything is written inside the conversion's temporary folder (tlm_convert.outputs.staged), so a failed or killed
 heal leaves OUTPUT untouched::
@@ -35,9 +36,10 @@ WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is publish
 KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 
 # The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
-# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. On SmolLM2-135M at 25k tokens, lr 1e-4
-# and MLP-only training came within 1.2% of these (bench/RESULTS.md, "Heal": curve and sweep); temperature and alpha
-# were not swept. recipes/cpt/smollm2-135m-heal.yaml carries the same values.
+# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. On SmolLM2-135M at 25k tokens, lr 1e-4,
+# MLP-only training, residual-stream matching and text sampled from the source came within 2% of these; past 50k
+# tokens lr 3e-4 gets worse and lr 1e-4 on twice the batch keeps improving (bench/RESULTS.md, "Heal" and "Issue 10,
+# session 6"); temperature and alpha were not swept. recipes/cpt/smollm2-135m-heal.yaml carries the same values.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
