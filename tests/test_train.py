@@ -271,6 +271,10 @@ def test_distillation_of_the_residual_streams_adds_to_the_first_loss(tmp_path):
                           distill={"teacher": teacher, "alpha": 1.0, "hidden_weight": weight})
         first[weight] = train(recipe_from_dict(run)).losses[0]
     assert first[1.0] > first[0.0] + 0.1  # a random student's residual streams are far from the teacher's
+    narrow = tiny_recipe(tmp_path, "narrow", train={"max_steps": 1}, distill={"teacher": teacher, "hidden_weight": 1.0})
+    narrow["model"]["config"] = {**narrow["model"]["config"], "num_hidden_layers": 2}
+    with pytest.raises(TrainError, match=r"teacher of the student's depth and width: \(3, 24\) .* \(2, 24\)"):
+        train(recipe_from_dict(narrow))
     with pytest.raises(RecipeError, match="distill.hidden_weight: must be >= 0"):
         recipe_from_dict(tiny_recipe(tmp_path, distill={"teacher": teacher, "hidden_weight": -1.0}))
 

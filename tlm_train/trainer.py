@@ -244,8 +244,10 @@ def hidden_loss(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, 
     if len(student) != len(teacher):
         raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth: {len(teacher) - 1} "
                          f"layers against {len(student) - 1}")
-    losses = [((s.float() - t.float()).square().sum(-1) / t.float().square().sum(-1).clamp_min(1e-12)).mean()
-              for s, t in zip(student[1:], teacher[1:])]
+    losses = []
+    for s, t in zip(student[1:], teacher[1:]):
+        t = t.float()
+        losses.append(((s.float() - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12)).mean())
     return torch.stack(losses).mean()
 
 
@@ -398,6 +400,11 @@ class _Run:
             if teacher.config.vocab_size != model.config.vocab_size:
                 raise TrainError(f"distill.teacher has {teacher.config.vocab_size} vocabulary entries, the student "
                                  f"{model.config.vocab_size}; distillation needs the same tokenizer")
+            shape = lambda c: (c.num_hidden_layers, c.hidden_size)  # noqa: E731
+            if r.distill.hidden_weight > 0 and shape(teacher.config) != shape(model.config):
+                raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth and width: "
+                                 f"{shape(teacher.config)} layers x hidden against {shape(model.config)}; "
+                                 "set distill.hidden_weight: 0")
             self.teacher = teacher.to(d.device).eval().requires_grad_(False)
         self._load_data()
         self.fingerprint = _fingerprint(model, r, d.world)
@@ -628,11 +635,11 @@ class _Run:
         r, d = self.recipe, self.d
         accum = r.train.grad_accum
         total = 0.0
+        hidden = self.teacher is not None and r.distill.hidden_weight > 0  # residual streams matched too
         for micro in range(accum):
             ids = next(self.batches).to(d.device, non_blocking=True)  # (B, S): this rank's micro-batch
             sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
-                hidden = self.teacher is not None and r.distill.hidden_weight > 0
                 out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
                 logits = out.logits  # (B, S, V)
                 loss = lm_loss(logits, ids)
