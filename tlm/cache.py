@@ -1,6 +1,7 @@
 """TLMCache: one cache object for every mixer.
 
-Each layer owns a dict of named slots: attention layers keep post-RoPE ``key``/``value`` of shape (B, K, T, Dh);
+Each layer owns a dict of named slots: attention layers keep post-RoPE ``key``/``value`` buffers of shape
+(B, K, capacity, Dh) whose first ``length`` positions are filled;
 Titans layers add ``memory`` (the neural memory's state dict); Hope layers add ``cms`` (fast weights and the
 partial-chunk buffer). Mixers read and write their own slots; the model only counts tokens.
 """
@@ -23,13 +24,24 @@ class TLMCache:
 
     # -- attention -------------------------------------------------------------------------------------
     def update_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """Append (B, K, N, Dh) keys/values for a layer; return the full (B, K, T, Dh) keys/values."""
+        """Append (B, K, N, Dh) keys/values for a layer; return the full (B, K, T, Dh) keys/values.
+
+        Without autograd they live in buffers that double when full (views of the first T positions are
+        returned), so a decoding step writes its own token only: concatenating would copy the whole cache at
+        every step, O(T²) over a generation. With autograd (a forward that trains through the cache) they are
+        concatenated, so no tensor a backward needs is written in place."""
         slot = self.layers[layer_idx]
-        if "key" in slot:
-            key = torch.cat([slot["key"], key], dim=2)
-            value = torch.cat([slot["value"], value], dim=2)
-        slot["key"], slot["value"] = key, value
-        return key, value
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+            if "key" in slot:
+                key = torch.cat([slot["key"][:, :, : slot["length"]], key], dim=2)
+                value = torch.cat([slot["value"][:, :, : slot["length"]], value], dim=2)
+            slot["key"], slot["value"], slot["length"] = key, value, key.shape[2]
+            return key, value
+        length = slot.get("length", 0)
+        slot["key"] = _append(slot.get("key"), length, key)
+        slot["value"] = _append(slot.get("value"), length, value)
+        slot["length"] = length + key.shape[2]
+        return slot["key"][:, :, : slot["length"]], slot["value"][:, :, : slot["length"]]
 
     # -- transformers' Cache surface used by generate() ----------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -52,6 +64,19 @@ class TLMCache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+
+def _append(buffer: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (B, K, capacity, Dh) with ``new`` (B, K, N, Dh) written at positions length..length+N, in a buffer
+    of twice the length when it is full."""
+    end = length + new.shape[2]
+    if buffer is None or end > buffer.shape[2] or buffer.dtype != new.dtype:
+        grown = new.new_empty(new.shape[0], new.shape[1], max(end, 2 * length), new.shape[3])
+        if buffer is not None:
+            grown[:, :, :length] = buffer[:, :, :length]
+        buffer = grown
+    buffer[:, :, length:end] = new
+    return buffer
 
 
 def map_tensors(obj, fn):
