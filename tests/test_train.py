@@ -250,6 +250,18 @@ def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
     assert acc.losses == pytest.approx(big.losses, abs=1e-5)
 
 
+def test_bf16_autocasts_on_the_cpu_with_fp32_master_weights(tmp_path):
+    fp32 = train(recipe_from_dict(tiny_recipe(tmp_path, "fp32", train={"max_steps": 3})))
+    bf16 = train(recipe_from_dict(tiny_recipe(tmp_path, "bf16", train={"max_steps": 3, "precision": "bf16"})))
+    # the same model, data and updates, with bf16 matrix products: close to the fp32 losses, not equal to them
+    assert bf16.losses == pytest.approx(fp32.losses, rel=2e-2)
+    assert bf16.losses != fp32.losses
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(bf16.final_dir) / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+
+
 def test_continued_pretraining_with_distillation(tmp_path):
     base = train(recipe_from_dict(tiny_recipe(tmp_path, "base")))
     teacher = str(base.final_dir)

@@ -207,6 +207,22 @@ def _param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def bf16_is_fast(device: str | torch.device) -> bool:
+    """Whether bf16 autocast speeds up training on ``device``: a CUDA device with bf16, or a CPU with bf16 matrix
+    instructions (AVX512-BF16 or AMX in /proc/cpuinfo; False where that cannot be read). Elsewhere bf16 products
+    are emulated and slower than fp32."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if dev.type != "cpu":
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def lr_factor(step: int, recipe: Recipe) -> float:
     """Multiplier of optim.lr at ``step`` (0-based): linear warmup to 1, then decay to min_lr / lr at max_steps."""
     o, total = recipe.optim, recipe.train.max_steps
@@ -627,8 +643,10 @@ class _Run:
     # ---------------------------------------------------------------------------------------------- steps
 
     def _autocast(self):
-        if self.recipe.train.precision == "bf16" and self.d.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast of the forward passes (student and teacher) on CUDA and on the CPU (fast where the CPU
+        has bf16 matrix instructions: AVX512-BF16 or AMX); fp32 master weights, optimizer and loss."""
+        if self.recipe.train.precision == "bf16" and self.d.device.type in ("cuda", "cpu"):
+            return torch.autocast(self.d.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def train_step(self) -> float:
@@ -642,14 +660,16 @@ class _Run:
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
                 out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
                 logits = out.logits  # (B, S, V)
-                loss = lm_loss(logits, ids)
-                if self.teacher is not None:
+                if self.teacher is None:
+                    loss = lm_loss(logits, ids)
+                else:
                     with torch.no_grad():
                         teacher_out = self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
                     kd = distill_loss(logits, teacher_out.logits, r.distill.temperature)
                     if hidden:
                         kd = kd + r.distill.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
-                    loss = (1 - r.distill.alpha) * loss + r.distill.alpha * kd
+                    alpha = r.distill.alpha  # alpha 1: pure distillation, the LM loss is not formed at all
+                    loss = kd if alpha == 1 else (1 - alpha) * lm_loss(logits, ids) + alpha * kd
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
         if r.optim.grad_clip is not None:
@@ -839,5 +859,5 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
-__all__ = ["train", "TrainResult", "TrainError", "lr_factor", "select_trainable", "lm_loss", "distill_loss",
+__all__ = ["train", "TrainResult", "TrainError", "bf16_is_fast", "lr_factor", "select_trainable", "lm_loss", "distill_loss",
            "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
