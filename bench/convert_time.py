@@ -33,15 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tlm_convert.checkpoint import resolve_builtin  # noqa: E402
-from tlm_convert.convert import ConvertOptions, convert  # noqa: E402
-from tlm_convert.data import load_text, token_blocks  # noqa: E402
+from tlm_convert.convert import ConvertOptions, calibration_sources, convert  # noqa: E402
 from tlm_convert.load import load_model  # noqa: E402
+from tlm_convert.samples import SELF, calibration_blocks  # noqa: E402
 
 
 def plain_forward_seconds(source: str, opts: ConvertOptions) -> tuple[float, float]:
-    """(wall, CPU) seconds of the plain forward passes over the calibration blocks ``convert`` would use."""
+    """(wall, CPU) seconds of the plain forward passes over as many calibration blocks as ``convert`` uses (text
+    sources only: the sampled ``self`` share is replaced by text, the same shapes)."""
     model, tokenizer, _ = load_model(source, opts.device)
-    blocks = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
+    texts = tuple(s for s in calibration_sources(opts.calibration_data, opts.low_memory) if s != SELF) or ("default",)
+    blocks, _ = calibration_blocks(tokenizer, texts, opts.seq_len, opts.calibration_tokens)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i in range(0, len(blocks), opts.batch_size):
@@ -93,6 +95,7 @@ def main() -> None:
         "plain_forward_seconds": [f[0] for f in forward], "plain_forward_cpu_seconds": [f[1] for f in forward],
         "conversion_wall_seconds": wall, "conversion_cpu_seconds": cpu, "seconds_per_phase": phases,
         "ratio_total": wall / base, "ratio_calibrate_rank_resize": core / base,
+        "ratio_total_without_sample": (wall - phases["sample"]) / base,
         "ratio_total_cpu": cpu / statistics.mean(f[1] for f in forward),
         "params_before": report["params_before"], "params_after": report["params_after"],
     }

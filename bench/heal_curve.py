@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from tlm_convert.evalsets import eval_set_blocks, geomean
-from tlm_convert.heal import heal_recipe
+from tlm_convert.convert import SAMPLES_FILE
+from tlm_convert.heal import heal_data, heal_recipe
 from tlm_convert.load import load_model
 from tlm_convert.perplexity import perplexity
 from tlm_train.trainer import list_checkpoints, train
@@ -82,10 +83,14 @@ def main() -> None:
             result["points"] = done["points"]
             wall, cpu = done["points"][-1]["wall_seconds"], done["points"][-1]["cpu_seconds"]
     result["work"] = args.work
+    samples = Path(args.converted) / SAMPLES_FILE
+    joined = Path(args.work).with_name(Path(args.work).name + "-heal-data.txt")  # written once: resumes see one file
+    data = str(joined) if joined.is_file() else heal_data(report["calibration_data"],
+                                                           samples if samples.is_file() else None, joined)
     for tokens in args.points:
         if any(p["tokens"] >= tokens for p in result["points"][1:]):
             continue
-        recipe = heal_recipe(args.converted, teacher, report["calibration_data"], tokens, args.work,
+        recipe = heal_recipe(args.converted, teacher, data, tokens, args.work,
                              report["seq_len"], report["seed"], overrides=tuple(args.overrides))
         resume = bool(list_checkpoints(Path(args.work))) if Path(args.work).exists() else False
         cpu0, wall0 = time.process_time(), time.perf_counter()

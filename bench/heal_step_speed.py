@@ -6,7 +6,8 @@ the forwards, fp32 weights and loss). The precisions alternate step by step (fp3
 untimed warm step each, so a slow phase of a shared machine hits both; the medians and their ratio are printed and
 written to --out.
 
-    python bench/heal_step_speed.py /work/runs/conv --source smollm2-135m --steps 6 --out bench/results/heal_step_speed.json
+    python bench/heal_step_speed.py runs/conv --source smollm2-135m --steps 6 \\
+        --out bench/results/heal_step_speed.json
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ import torch
 
 from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers
 from tlm_convert.convert import ConvertOptions, plan_widths, resolve_importance
-from tlm_convert.data import load_text, token_blocks
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.load import load_model
 from tlm_convert.perplexity import perplexity
+from tlm_convert.samples import calibration_blocks
 
 RESULTS = Path(__file__).parent / "results" / "quality"
 SOURCE = "smollm2-135m"
@@ -46,7 +46,9 @@ def parse_value(text: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
-    ap.add_argument("--calibration-data", default="default")
+    ap.add_argument("--calibration-data", action="append", default=None,
+                    help="repeat for a blend, each an equal share of --calibration-tokens ('self': samples of the "
+                         "source) [the conversion's default]")
     ap.add_argument("--calibration-tokens", type=int, default=ConvertOptions.calibration_tokens)
     ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
@@ -57,6 +59,7 @@ def main() -> None:
     model, tokenizer, src = load_model(SOURCE)
     opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens)
     opts.validate()
+    sources = opts.calibration_data
     widths = plan_widths(src.tlm_config, opts)
     resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
     evalb = eval_set_blocks(tokenizer, "all-eval", opts.seq_len, opts.eval_tokens)
@@ -72,14 +75,16 @@ def main() -> None:
         if key not in fields:
             raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
         setattr(settings, key, parse_value(value))
-    calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    calib, _ = calibration_blocks(tokenizer, sources, opts.seq_len, opts.calibration_tokens, model, opts.seed)
+    sample_cpu, sample_wall = time.process_time() - cpu0, time.perf_counter() - wall0
     convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
-    row = {"name": args.name, "calibration_data": args.calibration_data, "calibration_tokens": int(calib.numel()),
+    row = {"name": args.name, "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
+           "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
            "settings": dataclasses.asdict(settings), "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
            "threads": torch.get_num_threads(),
            "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],

@@ -172,9 +172,11 @@ def _return_freed_memory() -> None:
               type=click.Choice(SCHEDULES))
 @click.option("--ratio", default="1.5/0.5", show_default=True, help="First/last layer width multipliers, A/B.")
 @click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
-@click.option("--calibration-data", default="default", show_default=True,
-              help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, or 'default' (bundled "
-                   "mixed-domain sample).")
+@click.option("--calibration-data", multiple=True,
+              help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, 'default' (bundled "
+                   "mixed-domain sample) or 'self' (text sampled from INPUT_MODEL itself); repeat for several, "
+                   "each an equal share of --calibration-tokens [default: default and self; with --low-memory: "
+                   "default].")
 @click.option("--calibration-tokens", type=int, default=65536, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--importance", default=None,

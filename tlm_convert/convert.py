@@ -28,7 +28,6 @@ from tlm import MIXERS, parse_ratio, taper_widths
 
 from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers
 from .checkpoint import load_source
-from .data import load_text, token_blocks
 from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
@@ -39,14 +38,17 @@ from .outputs import OutputLock, check_free_space, check_output_path, clean_stal
 from .perplexity import perplexity
 from .surgery import GROW_INITS
 from .reconstruct import TOKEN_WEIGHTINGS
+from .samples import SELF, calibration_blocks, samples_text
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("load", "calibrate", "rank", "resize", "save", "eval")
+PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
 MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
+DEFAULT_CALIBRATION = ("default", SELF)  # the bundled mix and the model's own samples, equal shares
+SAMPLES_FILE = "calibration_samples.txt"  # in OUTPUT: the text ``self`` sampled (what the conversion saw)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class ConvertOptions:
     schedule: str = "cosine"
     ratio: str = "1.5/0.5"
     multiple_of: int | None = None  # default: 256 for --export deci, else 16 when it divides the width, else 1
-    calibration_data: str = "default"
+    calibration_data: str | tuple[str, ...] | None = None  # one source or several (equal token shares); None:
+    # DEFAULT_CALIBRATION, or the bundled sample alone with low_memory (no model in memory to sample from)
     calibration_tokens: int = 65536
     seq_len: int = 512
     importance: str | None = None  # default: "obs" (best measured; with low_memory while it fits the budget)
@@ -89,6 +92,7 @@ class ConvertOptions:
         once the MLP width is known (:func:`resolve_importance`)."""
         if self.importance is None and not self.low_memory:
             self.importance = "obs"
+        self.calibration_data = calibration_sources(self.calibration_data, self.low_memory)
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
                    "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
@@ -111,6 +115,18 @@ class ConvertOptions:
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
                                   f"--seq-len {self.seq_len}; raise it or lower --seq-len")
+
+
+def calibration_sources(data: str | tuple[str, ...] | list[str] | None, low_memory: bool = False) -> tuple[str, ...]:
+    """The calibration sources as a tuple: None (or none given) is :data:`DEFAULT_CALIBRATION`, or the bundled
+    sample alone with ``low_memory``, which cannot sample from a model it never holds whole."""
+    if not data:
+        return ("default",) if low_memory else DEFAULT_CALIBRATION
+    sources = (data,) if isinstance(data, str) else tuple(data)
+    if low_memory and SELF in sources:
+        raise ConversionError("--calibration-data self samples from the whole model in memory; with --low-memory "
+                              "pass calibration text only")
+    return sources
 
 
 class PhaseTimer:
@@ -182,12 +198,15 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         if model is not None:
             src.state_dict = {}  # the model holds these tensors now
         settings = opts.layer_settings()
-        calib = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
-        if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
-            calib = token_blocks(tokenizer, load_text(opts.calibration_data), opts.seq_len, opts.calibration_tokens)
         evalb = eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)  # None without sets
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
+    calib = samples = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
+    if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
+        with timer("sample" if SELF in opts.calibration_data else "load"):
+            calib, samples = calibration_blocks(tokenizer, opts.calibration_data, opts.seq_len,
+                                                opts.calibration_tokens, model, opts.seed,
+                                                progress=timer.on_phase is not None)
     report = report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes) + notes
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
@@ -212,8 +231,12 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
 
     def write_model(tmp: Path) -> None:
         nonlocal final
+        if samples is not None:  # what the conversion calibrated on, kept beside the model
+            (tmp / SAMPLES_FILE).write_text(samples_text(tokenizer, samples), encoding="utf-8")
+            report["calibration_samples"] = {"file": SAMPLES_FILE, "blocks": len(samples)}
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
-            final = heal(final, source, src, tmp, opts, evalb, report, timer)
+            final = heal(final, source, src, tmp, opts, evalb, report, timer,
+                         samples=None if samples is None else tmp / SAMPLES_FILE)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 
@@ -303,7 +326,7 @@ def report_head(src, opts, widths, calib) -> dict:
             "schedule": opts.schedule, "ratio": list(parse_ratio(opts.ratio)),
             "widths_before": list(src.tlm_config.intermediate_sizes), "widths_after": list(widths),
             "importance": opts.importance, "grow_init": opts.grow_init, "refit": opts.refit, "mixer": opts.mixer,
-            "export": opts.export, "calibration_data": opts.calibration_data,
+            "export": opts.export, "calibration_data": list(opts.calibration_data),
             "calibration_tokens": 0 if calib is None else int(calib.numel()), "seq_len": opts.seq_len,
             "seed": opts.seed,
             "options": asdict(opts)}
@@ -336,6 +359,7 @@ def rss_mb() -> float | None:
         return None
 
 
-__all__ = ["ConvertOptions", "convert", "plan_widths", "resolve_importance", "report_head",
-           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS"]
+__all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "resolve_importance", "report_head",
+           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
+           "SAMPLES_FILE"]
 

@@ -25,11 +25,15 @@ def eval_set_blocks(tokenizer, data, seq_len: int, max_tokens: int) -> dict[str,
             for name in names}
 
 
-def perplexity_entries(before: dict[str, float], after: dict[str, float], calibration_data: str = "default") -> dict:
+def perplexity_entries(before: dict[str, float], after: dict[str, float],
+                       calibration_data: str | tuple[str, ...] | list[str] = "default") -> dict:
     """The report's perplexity keys from {set: perplexity} before and after conversion; a set is in the calibration
-    domain when it is the calibration source itself, or a bundled in-domain set with the bundled calibration."""
+    domain when it is a calibration source itself, or a bundled in-domain set with the bundled calibration among
+    the sources."""
+    sources = {calibration_data} if isinstance(calibration_data, str) else set(calibration_data)
+
     def in_domain(name: str) -> bool:
-        return name == calibration_data or (calibration_data == "default" and name in IN_DOMAIN)
+        return name in sources or ("default" in sources and name in IN_DOMAIN)
 
     sets = [{"data": name, "before": before[name], "after": after[name], "ratio": after[name] / before[name],
              "in_domain": in_domain(name)} for name in before]

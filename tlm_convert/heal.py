@@ -11,6 +11,9 @@ Everything is written inside the conversion's temporary folder (tlm_convert.outp
 heal leaves OUTPUT untouched::
 
     .OUT.tmp-XXXX/heal-work/converted/   the converted model before healing (the student's start, TLM format)
+    .OUT.tmp-XXXX/heal-work/heal-data.txt  the calibration sources' text in one file (when there are several, or
+                                         ``self`` samples: calibration_samples.txt)
+    .OUT.tmp-XXXX/heal-work/tokens/      the heal data's token cache
     .OUT.tmp-XXXX/heal-work/train/       the training run (checkpoints, metrics.jsonl, final/)
 
 On success the work folder is removed and OUT/heal/ keeps the run's metrics.jsonl, recipe.yaml and
@@ -26,8 +29,10 @@ import shutil
 import time
 from pathlib import Path
 
+from .data import load_text
 from .errors import ConversionError
 from .evalsets import geomean
+from .samples import SELF
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +75,21 @@ def check_heal(tokens: int, seq_len: int, low_memory: bool) -> None:
 
 def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: str, seq_len: int, seed: int = 0,
                 device: str = "cpu", trust_remote_code: bool = False, progress: bool = False,
-                overrides: tuple[str, ...] = ()):
-    """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data``; ``overrides``:
-    ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py)."""
+                overrides: tuple[str, ...] = (), cache_dir: str | None = None):
+    """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data`` (one source:
+    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (tlm_train.trainer.bf16_is_fast: about
+    1.7x the fp32 steps on an AVX512-BF16 CPU, the same heal quality; bench/RESULTS.md), else fp32.
+    ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:
+    the token cache (None: tlm train's default)."""
     from tlm_train.recipe import RecipeError, recipe_from_dict
+    from tlm_train.trainer import bf16_is_fast
 
     spec = copy.deepcopy(HEAL_RECIPE)
     spec.update(output_dir=output_dir, init_from=student, seed=seed, trust_remote_code=trust_remote_code)
     spec["distill"]["teacher"] = teacher
-    spec["data"].update(train=data, seq_len=seq_len, eval_tokens=max(spec["data"]["eval_tokens"], seq_len))
-    spec["train"].update(device=device)
+    spec["data"].update(train=data, seq_len=seq_len, eval_tokens=max(spec["data"]["eval_tokens"], seq_len),
+                        cache_dir=cache_dir)
+    spec["train"].update(device=device, precision="bf16" if bf16_is_fast(device) else "fp32")
     spec["log"]["progress"] = progress
     try:
         recipe = recipe_from_dict(spec, overrides, name="heal recipe")
@@ -90,11 +100,30 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
     return recipe
 
 
-def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
+def heal_data(sources: str | tuple[str, ...] | list[str], samples: Path | None, path: Path) -> str:
+    """What a heal trains on: the calibration sources. One text source is used as it is; several, or text sampled
+    from the source (``samples``, the conversion's calibration_samples.txt, standing for ``self``), are joined
+    into the text file ``path`` (blank-line separated, in order) and that file is used."""
+    sources = (sources,) if isinstance(sources, str) else tuple(sources)
+    texts = [s for s in sources if s != SELF]
+    if samples is None and len(texts) == 1:
+        return texts[0]
+    if SELF in sources and (samples is None or not samples.is_file()):
+        raise ConversionError(f"the heal data needs the text sampled for --calibration-data self ({samples}); "
+                              "it is missing")
+    parts = [load_text(s).strip("\n") for s in texts] + ([samples.read_text(encoding="utf-8").strip("\n")]
+                                                         if SELF in sources else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, samples: Path | None = None):
     """Distil the converted ``model`` from ``teacher`` for ``opts.heal_tokens`` tokens inside ``tmp`` (the
     conversion's temporary folder); return the healed TLMForCausalLM. Adds ``report["heal"]`` and, with
     evaluation sets, each set's perplexity after healing. KeyboardInterrupt when the run was stopped (SIGINT,
-    SIGTERM or a STOP file): OUTPUT is then left as it was."""
+    SIGTERM or a STOP file): OUTPUT is then left as it was. ``samples``: the text of the ``self`` calibration
+    source, when it is one."""
     from tlm_train.recipe import RecipeError
     from tlm_train.trainer import TrainError, train
 
@@ -104,9 +133,10 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer):
     work = tmp / WORK_DIR
     with timer("heal"):
         student = export_model(model, work / "converted", "tlm", src)
-        recipe = heal_recipe(str(student), teacher, opts.calibration_data, opts.heal_tokens, str(work / "train"),
+        data = heal_data(opts.calibration_data, samples, work / "heal-data.txt")
+        recipe = heal_recipe(str(student), teacher, data, opts.heal_tokens, str(work / "train"),
                              opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
-                             progress=timer.on_phase is not None)
+                             progress=timer.on_phase is not None, cache_dir=str(work / "tokens"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
         try:
             result = train(recipe)
@@ -148,4 +178,5 @@ def _keep_log(run: Path, dest: Path) -> None:
             shutil.copy2(run / name, dest / name)
 
 
-__all__ = ["HEAL_RECIPE", "HEAL_DIR", "check_heal", "heal_recipe", "heal", "healed_entries", "tokens_per_step"]
+__all__ = ["HEAL_RECIPE", "HEAL_DIR", "check_heal", "heal_data", "heal_recipe", "heal", "healed_entries",
+           "tokens_per_step"]

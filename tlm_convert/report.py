@@ -33,6 +33,16 @@ def write_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _sources(report: dict) -> str:
+    """The calibration sources in words (equal shares; ``self``: samples of the source model, in the file named)."""
+    data = report["calibration_data"]
+    names = [data] if isinstance(data, str) else data
+    samples = report.get("calibration_samples")
+    words = [f"`{n}`" + (f" (text sampled from the source, {samples['file']})" if n == "self" and samples else "")
+             for n in names]
+    return " and ".join(words) + (" in equal shares" if len(names) > 1 else "")
+
+
 def write_markdown(report: dict, path: Path) -> None:
     lines = [
         "# Conversion report",
@@ -42,7 +52,7 @@ def write_markdown(report: dict, path: Path) -> None:
         f"grow init {report['grow_init']}, least-squares refit {'on' if report['refit'] else 'off'}, "
         f"mixer {report['mixer']}, export {report['export']}",
         f"- parameters: {report['params_before']:,} before, {report['params_after']:,} after",
-        f"- calibration: {report['calibration_tokens']:,} tokens of `{report['calibration_data']}` "
+        f"- calibration: {report['calibration_tokens']:,} tokens of {_sources(report)} "
         f"in blocks of {report['seq_len']}" if report["calibration_tokens"] else
         "- calibration: none (an exact import: no layer resized, no neuron scores needed)",
     ]

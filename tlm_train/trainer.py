@@ -859,5 +859,5 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
-__all__ = ["train", "TrainResult", "TrainError", "bf16_is_fast", "lr_factor", "select_trainable", "lm_loss", "distill_loss",
-           "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
+__all__ = ["train", "TrainResult", "TrainError", "bf16_is_fast", "lr_factor", "select_trainable", "lm_loss",
+           "distill_loss", "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]

@@ -1,0 +1,108 @@
+"""Calibration text sampled from the source model itself: ``--calibration-data self``.
+
+A bundled or user sample covers the domains it holds, and the conversion keeps the neurons those domains use: on
+SmolLM2-135M, calibrating on text the model wrote itself gave Shakespeare x1.233 where the bundled mix gave x1.710,
+and lost on code and licences (bench/RESULTS.md, "Issue 10, session 7"). The model's own samples stand for the
+blend it was trained on, so the default calibration is the bundled mix and such samples in equal shares.
+
+Samples start from the tokenizer's BOS token (its EOS token where it has no BOS), are drawn at temperature 1 with
+no top-k/top-p (the model's own distribution), with the start token and every end-of-sequence id (the tokenizer's
+and the generation config's) suppressed so that every sample fills its block,
+and are returned without the start token: one (seq_len,) block per sample, as a text block would be. The draw is
+seeded (``seed``) and leaves the global random state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .data import load_text, token_blocks
+from .errors import ConversionError
+
+logger = logging.getLogger(__name__)
+
+SELF = "self"  # the calibration source name
+BATCH = 128  # samples drawn together (about 1.4x the tokens/s of 32 on 2 CPU cores; KV cache ~1 GB at 512)
+
+
+def start_token(tokenizer) -> int:
+    """The token samples start from: BOS, else EOS; ConversionError when the tokenizer has neither."""
+    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return int(token)
+    raise ConversionError("--calibration-data self needs a tokenizer with a BOS or EOS token to start samples from; "
+                          "pass calibration text instead")
+
+
+@torch.no_grad()
+def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_size: int = BATCH,
+                  progress: bool = False) -> torch.Tensor:
+    """(n, seq_len) token ids sampled from ``model`` (a causal LM with ``generate``), ``batch_size`` samples at a
+    time; ``progress``: a bar over the sampled tokens on stderr, advanced at every generation step."""
+    start = start_token(tokenizer)
+    suppress = sorted({start, tokenizer.eos_token_id, *_config_eos(model)} - {None})  # no sample ends early
+    device = next(model.parameters()).device
+    out = []
+    bar = tqdm(total=n * seq_len, desc="self samples", unit="tok", file=sys.stderr, disable=not progress)
+    with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for first in range(0, n, batch_size):
+            rows = min(batch_size, n - first)
+            ids = torch.full((rows, 1), start, dtype=torch.long, device=device)  # (rows, 1)
+            sampled = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=seq_len,
+                                     suppress_tokens=suppress, pad_token_id=start,
+                                     stopping_criteria=StoppingCriteriaList([_Advance(bar)]))  # (rows, 1 + seq_len)
+            out.append(sampled[:, 1:].cpu())
+    return torch.cat(out)
+
+
+class _Advance(StoppingCriteria):
+    """Never stops; advances ``bar`` by one token per row at every generation step."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.bar.update(input_ids.shape[0])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _config_eos(model) -> list:
+    """The end-of-sequence ids ``generate`` stops at (the model's generation config; may differ from the
+    tokenizer's)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def calibration_blocks(tokenizer, sources: tuple[str, ...], seq_len: int, tokens: int, model=None, seed: int = 0,
+                       progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibration blocks of ``sources`` in order, each source an equal share of ``tokens`` (text sources as
+    data.token_blocks takes them, evenly spread; ``self`` sampled from ``model``), and the sampled blocks alone
+    (None without ``self``): (n, seq_len), (m, seq_len)."""
+    share = tokens // len(sources)
+    if share < seq_len:
+        raise ConversionError(f"--calibration-tokens {tokens} gives each of the {len(sources)} calibration sources "
+                              f"{share} tokens, less than one block of --seq-len {seq_len}; raise it or pass fewer "
+                              "sources")
+    parts, samples = [], None
+    for source in sources:
+        if source == SELF:
+            samples = sample_blocks(model, tokenizer, share // seq_len, seq_len, seed, progress=progress)
+            parts.append(samples)
+        else:
+            parts.append(token_blocks(tokenizer, load_text(source), seq_len, share))
+    return torch.cat(parts), samples
+
+
+def samples_text(tokenizer, samples: torch.Tensor) -> str:
+    """The sampled blocks as text: one paragraph per sample, separated by blank lines."""
+    return "".join(tokenizer.decode(row) + "\n\n" for row in samples.tolist())
+
+
+__all__ = ["SELF", "BATCH", "sample_blocks", "start_token", "calibration_blocks", "samples_text"]
