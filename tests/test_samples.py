@@ -1,6 +1,7 @@
 """Calibration blends and text sampled from the source (``--calibration-data self``), on tiny checkpoints."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tlm_convert.errors import ConversionError
 from tlm_convert.heal import heal_data
 from tlm_convert.load import materialize
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
+from tlm_train.trainer import bf16_is_fast
 
 OPTS = dict(calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
 
@@ -113,3 +115,15 @@ def test_heal_data_is_one_text_source_or_the_sources_joined(tmp_path):
     assert (tmp_path / "h.txt").read_text() == load_text(str(DATA)).strip("\n") + "\n\nsampled one\n\nsampled two\n"
     with pytest.raises(ConversionError, match="text sampled for --calibration-data self"):
         heal_data([str(DATA), "self"], tmp_path / "missing.txt", tmp_path / "h2.txt")
+
+
+def test_a_heal_after_a_blended_calibration_trains_on_the_sources_joined(source, tmp_path):
+    import yaml
+
+    out = tmp_path / "out"
+    report = convert(str(source), str(out), ConvertOptions(calibration_data=(str(DATA), "self"), heal_tokens=128,
+                                                           **OPTS))
+    recipe = yaml.safe_load((out / "heal" / "recipe.yaml").read_text())
+    assert Path(recipe["data"]["train"]).name == "heal-data.txt" and report["heal"]["tokens"] == 128
+    assert recipe["train"]["precision"] == ("bf16" if bf16_is_fast("cpu") else "fp32")
+    assert (out / SAMPLES_FILE).is_file() and not list(tmp_path.glob(".out.tmp-*"))
