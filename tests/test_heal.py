@@ -84,7 +84,7 @@ def test_heal_lowers_the_distillation_loss_and_reports_three_perplexities(source
     assert _kd(healed, source) < 0.8 * _kd(plain, source)
 
     report = json.loads((healed / "conversion_report.json").read_text())
-    assert report["heal"]["tokens"] == 4096 and report["heal"]["steps"] == 32
+    assert report["heal"]["tokens"] == 4096 and report["heal"]["steps"] == 16  # 4 x 64 tokens a step
     for s in report["perplexity_sets"]:
         assert {"before", "after", "healed", "healed_ratio"} <= set(s)
         assert s["healed_ratio"] == pytest.approx(s["healed"] / s["before"])
@@ -97,7 +97,7 @@ def test_heal_lowers_the_distillation_loss_and_reports_three_perplexities(source
                                                                    "run_summary.json"]
     assert not list(healed.rglob("checkpoint-*")) and not list(tmp_path.glob(".*tmp*"))
     metrics = [json.loads(ln) for ln in (healed / "heal" / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["step"] == 32
+    assert metrics[-1]["step"] == 16
     # the healed model loads and is not the plain conversion
     assert _digest(plain)["model.safetensors"] != _digest(healed)["model.safetensors"]
 
@@ -119,7 +119,7 @@ def _options() -> dict:
 
 @pytest.mark.parametrize("args, words", [
     (["--heal-tokens", "-5"], "must be 0 (no heal) or a positive"),
-    (["--heal-tokens", "100"], "less than one training step (128 tokens"),
+    (["--heal-tokens", "100"], "less than one training step (256 tokens"),
     (["--heal-tokens", "1024", "--low-memory"], "drop --low-memory"),
 ])
 def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
@@ -177,7 +177,7 @@ def test_the_heal_recipe_file_has_the_heal_defaults():
 
 def test_heal_steps_count_the_batch_the_overrides_set():
     """N heal tokens are N / (batch x accumulation x seq_len) steps, rounded up, with the batch after overrides."""
-    assert heal_module.heal_recipe("s", "t", "default", 3000, "out", 64).train.max_steps == 24  # 2 x 64 a step
+    assert heal_module.heal_recipe("s", "t", "default", 3000, "out", 64).train.max_steps == 12  # 4 x 64 a step
     assert heal_module.heal_recipe("s", "t", "default", 3000, "out", 64,
                                    overrides=("train.batch_size=4", "train.grad_accum=3")).train.max_steps == 4
 

@@ -121,9 +121,11 @@ def test_a_heal_after_a_blended_calibration_trains_on_the_sources_joined(source,
     import yaml
 
     out = tmp_path / "out"
-    report = convert(str(source), str(out), ConvertOptions(calibration_data=(str(DATA), "self"), heal_tokens=128,
+    report = convert(str(source), str(out), ConvertOptions(calibration_data=(str(DATA), "self"), heal_tokens=256,
                                                            **OPTS))
     recipe = yaml.safe_load((out / "heal" / "recipe.yaml").read_text())
-    assert Path(recipe["data"]["train"]).name == "heal-data.txt" and report["heal"]["tokens"] == 128
-    assert recipe["train"]["precision"] == ("bf16" if bf16_is_fast("cpu") else "fp32")
+    assert Path(recipe["data"]["train"]).name == "heal-data.txt" and report["heal"]["tokens"] == 256
+    assert recipe["train"]["precision"] == "auto"  # resolved by the trainer: bf16 where it is fast
+    summary = json.loads((out / "heal" / "run_summary.json").read_text())
+    assert summary["precision"] == ("bf16" if bf16_is_fast("cpu") else "fp32")
     assert (out / SAMPLES_FILE).is_file() and not list(tmp_path.glob(".out.tmp-*"))

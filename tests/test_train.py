@@ -55,7 +55,7 @@ def test_recipe_reports_every_problem_with_its_key_path(tmp_path):
         recipe_from_dict(bad)
     text = str(err.value)
     for needle in ("extra: unknown key", "data.sequence_length: unknown key", "optim.lr: expected a number",
-                   "train.max_steps: expected an integer", "train.precision: expected one of fp32, bf16"):
+                   "train.max_steps: expected an integer", "train.precision: expected one of fp32, bf16, auto"):
         assert needle in text, text
     assert "5 problem(s)" in text
 
@@ -260,6 +260,21 @@ def test_bf16_autocasts_on_the_cpu_with_fp32_master_weights(tmp_path):
 
     weights = load_file(str(Path(bf16.final_dir) / "model.safetensors"))
     assert {w.dtype for w in weights.values()} == {torch.float32}
+
+
+def test_auto_precision_is_bf16_exactly_where_bf16_is_fast(tmp_path, monkeypatch):
+    import tlm_train.trainer as trainer_module
+
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(trainer_module, "bf16_is_fast", lambda device, fast=fast: fast)
+        runs[fast] = train(recipe_from_dict(tiny_recipe(tmp_path, f"auto{fast}",
+                                                        train={"max_steps": 2, "precision": "auto"})))
+    fixed = {p: train(recipe_from_dict(tiny_recipe(tmp_path, p, train={"max_steps": 2, "precision": p})))
+             for p in ("bf16", "fp32")}
+    assert runs[True].losses == fixed["bf16"].losses and runs[False].losses == fixed["fp32"].losses
+    summary = json.loads((Path(runs[True].final_dir).parent / "run_summary.json").read_text())
+    assert summary["precision"] == "bf16"
 
 
 def test_continued_pretraining_with_distillation(tmp_path):

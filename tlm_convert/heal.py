@@ -4,8 +4,8 @@ The converted model (student) learns to reproduce the source's next-token distri
 checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: checkpoints,
 metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (the measured defaults, bench/RESULTS.md "Heal";
 recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file). The learning rate is constant after a
-short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run). The
-defaults suit short heals (tens of thousands of tokens); recipes/cpt/smollm2-135m-heal-long.yaml is for long ones.
+short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run);
+recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
 
 Everything is written inside the conversion's temporary folder (tlm_convert.outputs.staged), so a failed or killed
 heal leaves OUTPUT untouched::
@@ -41,16 +41,20 @@ WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is publish
 KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 
 # The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
-# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. On SmolLM2-135M at 25k tokens, lr 1e-4,
-# MLP-only training, residual-stream matching and text sampled from the source came within 2% of these; past 50k
-# tokens lr 3e-4 gets worse and lr 1e-4 on twice the batch keeps improving (bench/RESULTS.md, "Heal" and "Issue 10,
-# session 6"); temperature and alpha were not swept. recipes/cpt/smollm2-135m-heal.yaml carries the same values.
+# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. Measured on SmolLM2-135M
+# (bench/RESULTS.md, "Heal", "Issue 10, session 6" and "session 7"): lr 1e-4 on 4 x 512-token steps keeps improving
+# to 400k tokens where lr 3e-4 on 2 x 512 gets worse past 50k, and lr 3e-4 made Gemma 3 270M worse (x1.22 -> x2.31
+# at 25k); at 100k tokens a cosine decay from 3e-4 was within 0.5% of this. MLP-only training, residual-stream
+# matching and text sampled from the source came within 2%. The rate is constant after the warmup, so a heal of N
+# tokens is the first N tokens of any longer one. Temperature and alpha were not swept.
+# recipes/cpt/smollm2-135m-heal.yaml carries the same values.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
-    "optim": {"lr": 3.0e-4, "min_lr": 3.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
+    "optim": {"lr": 1.0e-4, "min_lr": 1.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
               "grad_clip": 1.0},
-    "train": {"batch_size": 2, "grad_accum": 1, "trainable": None},  # 2 x seq_len tokens a step; every parameter
+    "train": {"batch_size": 4, "grad_accum": 1, "trainable": None,  # 4 x seq_len tokens a step; every parameter
+              "precision": "auto"},  # bf16 autocast where it is fast (AVX512-BF16/AMX CPUs, CUDA), else fp32
     "log": {"every": 5, "eval_every": 0, "save_every": 1_000_000, "keep_last": 1, "tensorboard": False},
 }
 
@@ -77,19 +81,18 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
                 device: str = "cpu", trust_remote_code: bool = False, progress: bool = False,
                 overrides: tuple[str, ...] = (), cache_dir: str | None = None):
     """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data`` (one source:
-    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (tlm_train.trainer.bf16_is_fast: about
-    1.7x the fp32 steps on an AVX512-BF16 CPU, the same heal quality; bench/RESULTS.md), else fp32.
+    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (``precision: auto``: about 1.7x the fp32
+    steps on an AVX512-BF16 CPU, the same heal quality; bench/RESULTS.md), else fp32.
     ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:
     the token cache (None: tlm train's default)."""
     from tlm_train.recipe import RecipeError, recipe_from_dict
-    from tlm_train.trainer import bf16_is_fast
 
     spec = copy.deepcopy(HEAL_RECIPE)
     spec.update(output_dir=output_dir, init_from=student, seed=seed, trust_remote_code=trust_remote_code)
     spec["distill"]["teacher"] = teacher
     spec["data"].update(train=data, seq_len=seq_len, eval_tokens=max(spec["data"]["eval_tokens"], seq_len),
                         cache_dir=cache_dir)
-    spec["train"].update(device=device, precision="bf16" if bf16_is_fast(device) else "fp32")
+    spec["train"]["device"] = device
     spec["log"]["progress"] = progress
     try:
         recipe = recipe_from_dict(spec, overrides, name="heal recipe")

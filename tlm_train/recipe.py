@@ -66,7 +66,8 @@ class TrainSpec:
     max_steps: int = 1000
     batch_size: int = 8  # sequences per device per micro-batch
     grad_accum: int = 1  # global batch = batch_size * grad_accum * world size sequences
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on CUDA or CPU (fp32 master weights)
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16: autocast on CUDA or CPU (fp32 master weights);
+    # auto: bf16 where it is fast on the device (trainer.bf16_is_fast), else fp32
     compile: bool = False  # torch.compile (GPU)
     device: str = "auto"  # auto: cuda when available (one device per process under torchrun), else cpu
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun; fsdp shards per decoder layer

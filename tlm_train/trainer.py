@@ -16,7 +16,7 @@ Output folder::
                                   trainer_state.json, recipe.yaml, manifest.json (sizes, SHA-256); written
                                   atomically
       final/                      the trained model (TLM, remote code included) and its tokenizer
-      run_summary.json            steps, tokens, final held-out loss, wall seconds of every invocation
+      run_summary.json            steps, tokens, final held-out loss, precision, wall seconds of every invocation
 
 Resuming (``resume=True``: the latest checkpoint, or a path) restores model, optimizer, scheduler, every rank's
 RNG and the data position, so the loss curve continues exactly as an uninterrupted run's. A checkpoint from a
@@ -342,6 +342,8 @@ class _Run:
         self.recipe = recipe
         self.out = Path(recipe.output_dir)
         self.d = _setup_distributed(recipe.train.device)
+        precision = recipe.train.precision
+        self.bf16 = precision == "bf16" or (precision == "auto" and bf16_is_fast(self.d.device))
         self.lock = self._lock_output()
         try:
             self.show_progress = recipe.log.progress if progress is None else progress
@@ -645,7 +647,7 @@ class _Run:
     def _autocast(self):
         """bf16 autocast of the forward passes (student and teacher) on CUDA and on the CPU (fast where the CPU
         has bf16 matrix instructions: AVX512-BF16 or AMX); fp32 master weights, optimizer and loss."""
-        if self.recipe.train.precision == "bf16" and self.d.device.type in ("cuda", "cpu"):
+        if self.bf16 and self.d.device.type in ("cuda", "cpu"):
             return torch.autocast(self.d.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -775,7 +777,8 @@ class _Run:
         path = self.out / "run_summary.json"
         previous = json.loads(path.read_text()).get("invocation_seconds", []) if path.exists() else []
         summary = {"steps": result.steps, "tokens": result.tokens, "eval_loss": result.eval_loss,
-                   "finished": not result.stopped, "invocation_seconds": previous + [round(result.seconds, 3)]}
+                   "finished": not result.stopped, "precision": "bf16" if self.bf16 else "fp32",
+                   "invocation_seconds": previous + [round(result.seconds, 3)]}
         summary["seconds"] = round(sum(summary["invocation_seconds"]), 3)
         path.write_text(json.dumps(summary, indent=1))
 
