@@ -14,7 +14,6 @@ seeded (``seed``) and leaves the global random state as it was.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
@@ -23,8 +22,6 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .data import load_text, token_blocks
 from .errors import ConversionError
-
-logger = logging.getLogger(__name__)
 
 SELF = "self"  # the calibration source name
 BATCH = 128  # samples drawn together (about 1.4x the tokens/s of 32 on 2 CPU cores; KV cache ~1 GB at 512)
