@@ -2,6 +2,7 @@
 options plus overrides, and measure perplexity on every bundled evaluation set against the source.
 
     python bench/quality_ablation.py NAME [--calibration-data SRC] [--calibration-tokens N] [--set FIELD=VALUE ...]
+        [--calibration-cache FILE] [--save DIR]
 
 ``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
@@ -9,6 +10,12 @@ seconds (user+sys of this process, all threads) and wall seconds are recorded. E
 of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
 512``; the source's perplexities are cached in bench/results/quality/source.json. Writes
 bench/results/quality/NAME.json.
+
+``--calibration-cache FILE`` keeps the calibration blocks (and the ``self`` samples among them) in a safetensors
+file: the first row that names it draws them, later rows read the same tokens, so the rows of an ablation differ
+only in what they set (the draw is seeded: the cached blocks are those the default conversion draws).
+``--save DIR`` writes the converted model (TLM format, with the tokenizer), its calibration_samples.txt and a
+conversion_report.json with the keys bench/heal_curve.py reads, so the row can be healed.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers
-from tlm_convert.convert import ConvertOptions, plan_widths, resolve_importance
+from safetensors.torch import load_file, save_file
+
+from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers, score_whole_model
+from tlm_convert.convert import SAMPLES_FILE, ConvertOptions, plan_widths, resolve_importance
+from tlm_convert.export import export_model
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.load import load_model
 from tlm_convert.perplexity import perplexity
-from tlm_convert.samples import calibration_blocks
+from tlm_convert.samples import calibration_blocks, samples_text
 
 RESULTS = Path(__file__).parent / "results" / "quality"
 SOURCE = "smollm2-135m"
@@ -52,6 +62,8 @@ def main() -> None:
     ap.add_argument("--calibration-tokens", type=int, default=ConvertOptions.calibration_tokens)
     ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--calibration-cache", default=None, help="safetensors file of the calibration blocks")
+    ap.add_argument("--save", default=None, help="write the converted model and a report here (for heal_curve.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -76,8 +88,17 @@ def main() -> None:
             raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
         setattr(settings, key, parse_value(value))
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    calib, _ = calibration_blocks(tokenizer, sources, opts.seq_len, opts.calibration_tokens, model, opts.seed)
+    cache_file = Path(args.calibration_cache) if args.calibration_cache else None
+    if cache_file is not None and cache_file.is_file():
+        cached = load_file(str(cache_file))
+        calib, samples = cached["calib"], cached.get("samples")
+    else:
+        calib, samples = calibration_blocks(tokenizer, sources, opts.seq_len, opts.calibration_tokens, model,
+                                            opts.seed)
+        if cache_file is not None:
+            save_file({"calib": calib, **({} if samples is None else {"samples": samples})}, str(cache_file))
     sample_cpu, sample_wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    score_whole_model(model, calib, settings)
     convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     model.config.intermediate_sizes = list(widths)
@@ -85,15 +106,27 @@ def main() -> None:
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
     row = {"name": args.name, "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
            "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
-           "settings": dataclasses.asdict(settings), "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
+           "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "model_scores"}, "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
            "threads": torch.get_num_threads(),
            "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
                                 "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},
            "ood_geomean": entries.get("perplexity_ratio_ood_geomean")}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(row, indent=1))
+    if args.save:
+        save(model, src, tokenizer, samples, entries, sources, opts, Path(args.save))
     ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in row["sets"].items())
     print(f"{args.name}: ood_geomean={row['ood_geomean']:.4f} {ratios} cpu={cpu:.0f}s wall={wall:.0f}s")
     assert math.isfinite(row["ood_geomean"])
+
+
+def save(model, src, tokenizer, samples, entries, sources, opts, out: Path) -> None:
+    """The converted model and what bench/heal_curve.py reads of a conversion report."""
+    export_model(model, out, "tlm", src)
+    if samples is not None:
+        (out / SAMPLES_FILE).write_text(samples_text(tokenizer, samples), encoding="utf-8")
+    report = {"source": SOURCE, "calibration_data": list(sources), "seq_len": opts.seq_len, "seed": opts.seed,
+              **entries}
+    (out / "conversion_report.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -301,3 +301,20 @@ def test_obs_prune_matches_the_textbook_updates():
     keep, compensated = obs_prune(gram, down, 25, damp=1e-3)
     assert keep == alive.nonzero().flatten().tolist()
     torch.testing.assert_close(compensated, w[:, alive].float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_tapered_tlm_is_retapered_around_its_mean_width(tmp_path, tokenizer):
+    # the gradual taper's stages: a TLM converted again to a steeper ratio ends at the one-shot widths and count
+    src = make_source(tmp_path / "src", "llama", tokenizer=tokenizer)
+    half = convert(str(src), str(tmp_path / "half"), ConvertOptions(ratio="1.25/0.75", **OPTS))
+    full = convert(str(tmp_path / "half"), str(tmp_path / "full"), ConvertOptions(ratio="1.5/0.5", **OPTS))
+    once = convert_module.plan_widths(load_source(str(src)).tlm_config, ConvertOptions(ratio="1.5/0.5", **OPTS))
+    assert half["widths_after"] != full["widths_after"] == once
+    assert full["widths_before"] == half["widths_after"]
+    assert full["params_after"] == full["params_before"] == half["params_before"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", trust_remote_code=True)
+    assert model.config.intermediate_sizes == once
+    odd = copy.deepcopy(load_source(str(tmp_path / "half")).tlm_config)
+    odd.intermediate_sizes = [odd.intermediate_sizes[0] + 1] + odd.intermediate_sizes[1:]
+    with pytest.raises(convert_module.ConversionError, match="not a multiple of its 4 layers"):
+        convert_module.plan_widths(odd, ConvertOptions(**OPTS))

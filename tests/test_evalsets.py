@@ -24,7 +24,8 @@ def test_bundled_sets_match_the_sha256_in_the_data_readme():
 def test_eval_sources_expand_all_eval_in_order_without_repeats():
     assert eval_sources(None) == eval_sources(()) == []
     assert eval_sources("x.txt") == ["x.txt"]
-    assert eval_sources(("eval-code", "all-eval")) == ["eval-code", "default-eval", "eval-fiction", "eval-legal"]
+    assert eval_sources(("eval-code", "all-eval")) == ["eval-code", "default-eval", "eval-fiction", "eval-legal",
+                                                       "eval-encyclopedic"]
     assert set(IN_DOMAIN) <= set(EVAL_SETS)
 
 

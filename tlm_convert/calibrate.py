@@ -44,7 +44,8 @@ from torch.nn import functional as F
 
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .errors import ConversionError
-from .importance import StopForward, activation_stats, add_gram, neuron_scores
+from .fisher import fisher_scores
+from .importance import OBS_METRICS, WHOLE_MODEL, StopForward, activation_stats, add_gram, neuron_scores, sensitivity
 from .reconstruct import reconstruct_mlp, token_weights
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
@@ -158,6 +159,15 @@ class LayerSettings:
     token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
     reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
     reconstruct_lr: float = 1e-4
+    model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
+
+
+def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, progress: bool = False) -> None:
+    """Fill ``settings.model_scores`` when the importance metric scores neurons on the whole source ``model`` (a
+    TLMForCausalLM in memory) before the layer loop changes it; a no-op for the per-layer metrics."""
+    if settings.importance in WHOLE_MODEL:
+        settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
+                                              progress=progress)
 
 
 @dataclass
@@ -267,8 +277,14 @@ class _LayerStep:
             source_hidden[b] = layer.feed_forward(_mix(self.base, layer, source_hidden[b], p))
 
     def scores(self, i, layer, stats, width=None) -> torch.Tensor:
+        whole = None if self.settings.model_scores is None else self.settings.model_scores[i]
         with self.timer("rank"):
-            return neuron_scores(self.importance, stats, _weights(layer.mlp, width), seed=self.seed + i)
+            return neuron_scores(self.importance, stats, _weights(layer.mlp, width), seed=self.seed + i,
+                                 whole_model=whole)
+
+    def obs_weights(self, score, stats, down) -> torch.Tensor | None:
+        """OBS's per-neuron cost weights: the Fisher sensitivity for ``fisher_obs``, else None (the local cost)."""
+        return sensitivity(score, stats, down.weight) if self.importance == "fisher_obs" else None
 
     def resize(self, i, layer, plan) -> None:
         _resize_in_place(layer, i, plan, self.grow_init, self.noise_scale, self.seed)
@@ -298,7 +314,7 @@ class _LayerStep:
         """``shrink`` keeping the pass's activations: the refit's system from them (the kept neurons' Gram matrix
         alone: K² instead of I²), and the layer's output z + D′ a_K from them (no second MLP pass)."""
         down = layer.mlp.down_proj
-        obs = self.importance == "obs"
+        obs = self.importance in OBS_METRICS
         rows = self.policy.rows(12 * down.in_features)
         weights = token_weights(self.settings.token_weighting, mixed)
         with self.timer("calibrate"):
@@ -315,7 +331,8 @@ class _LayerStep:
                 with self.timer("rank"):
                     start = refit_kept(stats.gram, rhs, damp=self.damp)
             with self.timer("rank"):
-                keep, new_down = obs_prune(stats.gram, start, width, damp=self.damp)
+                keep, new_down = obs_prune(stats.gram, start, width, damp=self.damp,
+                                           weights=self.obs_weights(score, stats, down))
             plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
         else:
             plan = plan_from_scores([score], [width])[0]
@@ -364,7 +381,7 @@ class _LayerStep:
         tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
         if self.policy.keeps(tokens, down.in_features):
             return self.shrink_kept(i, layer, mixed, width, source_hidden)
-        obs = self.importance == "obs"
+        obs = self.importance in OBS_METRICS
         solve = obs or self.refit
         weights = token_weights(self.settings.token_weighting, mixed)
         rows = self.policy.rows(12 * down.in_features)
@@ -382,7 +399,8 @@ class _LayerStep:
         with self.timer("rank"):  # cross.take(): AᵀY (I, d), held by the solve alone (freed as soon as it is used)
             if obs:
                 start = down.weight if cross is None else refit_kept(gram, cross.take(), damp=self.damp)
-                keep, new_down = obs_prune(gram, start, width, damp=self.damp)
+                keep, new_down = obs_prune(gram, start, width, damp=self.damp,
+                                           weights=self.obs_weights(score, stats, down))
                 plan = LayerPlan(keep=keep, down_override=new_down.to(down.weight.dtype))
             else:
                 plan = plan_from_scores([score], [width])[0]
@@ -551,5 +569,5 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
     mlp.intermediate_size = plan.width
 
 
-__all__ = ["convert_layers", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
+__all__ = ["convert_layers", "score_whole_model", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
            "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]

@@ -198,7 +198,7 @@ def _return_freed_memory() -> None:
               type=click.Choice(FORMATS))
 @click.option("--eval-data", multiple=True,
               help="Held-out text for perplexity before/after: a file, or a bundled set ('default-eval', "
-                   "'eval-fiction', 'eval-code', 'eval-legal'; 'all-eval': all four); repeat for several sets.")
+                   "'eval-fiction', 'eval-code', 'eval-legal', 'eval-encyclopedic'; 'all-eval': all five); repeat for several sets.")
 @click.option("--eval-tokens", type=int, default=16384, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_CHOICES),

@@ -98,14 +98,17 @@ def _solve_in_place(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 __all__ = ["DAMP", "refit_down_proj", "refit_kept", "obs_prune"]
 
 
-def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = DAMP) -> tuple[list[int], torch.Tensor]:
+def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = DAMP,
+              weights: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy structured Optimal Brain Surgeon: remove neurons one at a time, always the one whose removal (with
     the optimal least-squares compensation of the others) costs least, ‖d_j‖² / [G⁻¹]_jj, updating the remaining
     columns and G⁻¹ after each removal (as SparseGPT does for weights; ZipLM for structures).
 
     gram: (I, I) fp64; down: (d, I) -> (kept indices ascending, compensated down projection (d, width)).
     Damping λ·I is added to G as in ``refit_down_proj`` (here it pulls the compensation towards the source
-    columns rather than towards zero).
+    columns rather than towards zero). ``weights`` (I,): each neuron's cost is multiplied by its weight (how much
+    the whole model's output cares about a unit of this layer's output error along the neuron's direction:
+    ``importance="fisher_obs"``); None: the plain local cost.
 
     G⁻¹ is never updated in place: after s removals it is H₀ − Q Qᵀ with one column of Q per removal
     (q = H[:, j] / √H[j, j]), so a step costs O(I·(d + s)) instead of O(I²), and only its diagonal is tracked.
@@ -120,6 +123,8 @@ def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 
     alive = torch.ones(n, dtype=torch.bool)
     for s in range(removals):
         cost = w.pow(2).sum(0) / diag.clamp(min=1e-30)  # (I,)
+        if weights is not None:
+            cost *= weights
         cost[~alive] = float("inf")
         j = int(torch.argmin(cost))
         col = h0[j] - q_t[:s].T @ q_t[:s, j]  # (I,) column j of the current G⁻¹ (G⁻¹ is symmetric)

@@ -26,13 +26,14 @@ import torch
 
 from tlm import MIXERS, parse_ratio, taper_widths
 
-from .calibrate import IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers
+from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
+                        score_whole_model)
 from .checkpoint import load_source
 from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
 from .heal import check_heal, heal
-from .importance import METRICS
+from .importance import METRICS, WHOLE_MODEL
 from .load import load_tokenizer, materialize
 from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
 from .perplexity import perplexity
@@ -112,6 +113,9 @@ class ConvertOptions:
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
+        if self.low_memory and self.importance in WHOLE_MODEL:
+            raise ConversionError(f"--importance {self.importance} scores neurons with backward passes through the "
+                                  "whole model; drop --low-memory, or use --importance obs or activation")
         if self.calibration_tokens < self.seq_len:
             raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
                                   f"--seq-len {self.seq_len}; raise it or lower --seq-len")
@@ -215,6 +219,9 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
     if evalb is not None:
         with timer("eval"):
             before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
+    if calib is not None:
+        with timer("rank"):
+            score_whole_model(model, calib, settings, progress=timer.on_phase is not None)
     result = convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY, on_layer, timer)
     with timer("resize"):
         config = model.config
@@ -301,12 +308,15 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
 
 
 def plan_widths(config, opts: ConvertOptions) -> list[int]:
-    """Per-layer target widths; the source must be uniform (its width is the base width D)."""
+    """Per-layer target widths around the base width D: a uniform source's width, or a tapered source's mean width
+    (re-tapering a TLM to another schedule or ratio: each layer shrinks or grows by the difference, and the sum,
+    hence the parameter count, stays that of the source)."""
     widths = config.intermediate_sizes
-    if len(set(widths)) != 1:
-        raise ConversionError(f"the source MLP widths are not uniform ({min(widths)}..{max(widths)}); "
-                              "tlm-convert starts from uniform checkpoints")
-    base = widths[0]
+    base, rest = divmod(sum(widths), len(widths))
+    if rest:
+        raise ConversionError(f"the source MLP widths sum to {sum(widths)}, not a multiple of its {len(widths)} "
+                              "layers, so no schedule of the same parameter count exists; convert the uniform "
+                              "checkpoint it came from")
     q = opts.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
     try:
         return taper_widths(len(widths), base, opts.schedule, parse_ratio(opts.ratio), multiple_of=q)

@@ -6,8 +6,9 @@ or a dataset name on the hub when online (``NAME:CONFIG`` for a configuration, e
 ``HuggingFaceFW/fineweb-edu:sample-10BT``). ``"default"`` is the mixed-domain
 sample bundled with the package (English prose, C and Perl source, a software manual; ``data/README.md`` gives
 its sources and licenses); ``"default-eval"`` is the
-disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code`` and ``eval-legal`` are held-out samples
-of other domains than the calibration sample (``EVAL_SETS``; ``"all-eval"`` names all four).
+disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code``, ``eval-legal`` and ``eval-encyclopedic``
+(knowledge-heavy reference prose) are held-out samples of other domains than the calibration sample (``EVAL_SETS``;
+``"all-eval"`` names all five).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED = {"default": DATA_DIR / "calibration_mix.txt", "default-eval": DATA_DIR / "eval_en.txt",
            "eval-fiction": DATA_DIR / "eval_fiction.txt", "eval-code": DATA_DIR / "eval_code.txt",
-           "eval-legal": DATA_DIR / "eval_legal.txt"}
-EVAL_SETS = ("default-eval", "eval-fiction", "eval-code", "eval-legal")  # what "all-eval" stands for
+           "eval-legal": DATA_DIR / "eval_legal.txt", "eval-encyclopedic": DATA_DIR / "eval_encyclopedic.txt"}
+EVAL_SETS = ("default-eval", "eval-fiction", "eval-code", "eval-legal", "eval-encyclopedic")  # what "all-eval" stands for
 IN_DOMAIN = frozenset({"default-eval"})  # shares the calibration sample's domain (Factbook prose, other countries)
 DATA_FORMATS = ("auto", "text")  # auto: by suffix, and UTF-8 text sniffed for other suffixes; text: always text
 _SNIFF_BYTES = 1 << 16

@@ -18,6 +18,12 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ``wifv``        Var_n(a_nj) · ‖d_j‖₂² (FLAP, arXiv 2312.11983)
 ``magnitude``   mean(‖g_j‖², ‖u_j‖², ‖d_j‖²) — weights only (collapses without recovery; ablation)
 ``random``      U(0, 1) from the seed (ablation floor)
+``fisher``      the diagonal Fisher information of the model's own next-token distribution with respect to a
+                mask on each neuron: what removing it costs the whole model's output (KL to the source), not
+                one layer's; scored before the layer loop on the source model (tlm_convert.fisher)
+``fisher_obs``  OBS's greedy removal with each neuron's local cost weighted by its Fisher *sensitivity*,
+                F_j / (Σ a_j² · ‖d_j‖²): the model's output cost per unit of output energy of the neuron, so
+                OBS's compensated error is counted in what it does to the whole model (:func:`sensitivity`)
 ==============  ==================================================================================
 
 bench/RESULTS.md holds the measured comparison of the metrics on SmolLM2-135M (``obs`` with the residual refit
@@ -30,7 +36,9 @@ from contextlib import contextmanager
 
 import torch
 
-METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random")
+METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random", "fisher", "fisher_obs")
+WHOLE_MODEL = frozenset({"fisher", "fisher_obs"})  # scored on the whole source model before the layer loop
+OBS_METRICS = frozenset({"obs", "fisher_obs"})  # remove neurons by OBS's greedy compensated cost
 
 
 class ActivationStats:
@@ -115,10 +123,16 @@ def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool 
         handle.remove()
 
 
-def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, seed: int = 0) -> torch.Tensor:
-    """One score per neuron (I,) for a layer; ``weights`` holds that layer's gate/up/down weight tensors."""
+def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, seed: int = 0,
+                  whole_model: torch.Tensor | None = None) -> torch.Tensor:
+    """One score per neuron (I,) for a layer; ``weights`` holds that layer's gate/up/down weight tensors;
+    ``whole_model``: the layer's scores from a :data:`WHOLE_MODEL` metric's pass before the layer loop."""
     if metric not in METRICS:
         raise ValueError(f"importance={metric!r}: expected one of {', '.join(METRICS)}")
+    if metric in WHOLE_MODEL:
+        if whole_model is None:
+            raise ValueError(f"importance={metric!r} scores the whole model before the layer loop; none were given")
+        return whole_model.double()
     metric = "activation" if metric == "obs" else metric
     down = weights["down_proj"].double()  # (d, I)
     col_sq = down.pow(2).sum(0)  # ‖d_j‖²
@@ -136,4 +150,12 @@ def neuron_scores(metric: str, stats: ActivationStats | None, weights: dict, see
     return stats.variance * col_sq  # wifv
 
 
-__all__ = ["METRICS", "ActivationStats", "StopForward", "activation_stats", "add_gram", "neuron_scores"]
+def sensitivity(fisher: torch.Tensor, stats: ActivationStats, down: torch.Tensor) -> torch.Tensor:
+    """(I,) F_j / (Σ_t a_j² · ‖d_j‖²), divided by its mean: the Fisher score per unit of the neuron's output energy
+    (``fisher_obs``'s weights on OBS's costs). ``down``: (d, I)."""
+    energy = stats.sumsq * down.double().pow(2).sum(0)  # (I,)
+    ratio = fisher.double() / energy.clamp(min=1e-30)
+    return ratio / ratio.mean().clamp(min=1e-30)
+
+
+__all__ = ["METRICS", "WHOLE_MODEL", "OBS_METRICS", "sensitivity", "ActivationStats", "StopForward", "activation_stats", "add_gram", "neuron_scores"]

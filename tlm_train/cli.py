@@ -26,8 +26,8 @@ tlm_main.add_command(convert_main, "convert")  # the very command of tlm-convert
 @tlm_main.command("eval", cls=OneLineCommand)
 @click.argument("model_path")
 @click.option("--data", required=True, multiple=True,
-              help="Text file/folder, a bundled set ('default-eval', 'eval-fiction', 'eval-code', 'eval-legal') or "
-                   "'all-eval'; repeat the option for several sets (one JSON line each).")
+              help="Text file/folder, a bundled set ('default-eval', 'eval-fiction', 'eval-code', 'eval-legal', "
+                   "'eval-encyclopedic') or 'all-eval'; repeat the option for several sets (one JSON line each).")
 @click.option("--data-format", type=click.Choice(["auto", "text"]), default="auto", show_default=True,
               help="auto: .jsonl/.json/.parquet by suffix, any other UTF-8 file as text; text: read as plain text.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")

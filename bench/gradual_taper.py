@@ -1,0 +1,87 @@
+"""A taper reached in K stages during the heal (issue 23 item 2), against the one-shot conversion at equal tokens.
+
+Stage k of K converts the current model (the source, then the previous stage's healed TLM) to the ratio
+1 + 0.5 k/K / 1 - 0.5 k/K (the last stage: the target 1.5/0.5, so the final widths and parameter count are those of
+the one-shot conversion), calibrated on the current model, then heals it for N/K tokens by distillation from the
+*original* source with the heal recipe of ``tlm-convert --heal-tokens``. Every stage calibrates on the same text:
+the bundled mix and the source's own samples of a default conversion (its calibration_samples.txt), equal shares,
+as the default conversion does. The final model is evaluated as bench/quality_ablation.py evaluates (first 16,384
+tokens of every bundled set, disjoint 512-token windows) against the source's cached perplexities.
+
+    python bench/gradual_taper.py --samples runs/q/obs_default/calibration_samples.txt --stages 3 \\
+        --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/quality/gradual3_24k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
+from tlm_convert.heal import heal_data, heal_recipe
+from tlm_convert.load import load_model
+from tlm_convert.perplexity import perplexity
+from tlm_convert.samples import SELF
+from tlm_train.trainer import train
+
+RESULTS = Path(__file__).parent / "results" / "quality"
+
+
+def stage_ratio(k: int, stages: int) -> str:
+    step = 0.5 * k / stages
+    return f"{1 + step:g}/{1 - step:g}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", default="smollm2-135m")
+    ap.add_argument("--samples", required=True, help="a default conversion's calibration_samples.txt")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--heal-tokens", type=int, required=True, help="in all, N/K after each stage")
+    ap.add_argument("--importance", default="obs")
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    sources = ("default", args.samples)
+    data = heal_data(("default", SELF), Path(args.samples), work / "heal-data.txt")
+    current, stages = args.source, []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for k in range(1, args.stages + 1):
+        ratio = stage_ratio(k, args.stages)
+        out = work / f"stage{k}"
+        report = convert(current, str(out), ConvertOptions(ratio=ratio, calibration_data=sources,
+                                                            importance=args.importance, overwrite=True))
+        per_step = 4 * report["seq_len"]  # the heal recipe's batch
+        tokens = math.ceil(args.heal_tokens / args.stages / per_step) * per_step
+        run = train(heal_recipe(str(out), args.source, data, tokens, str(work / f"heal{k}"), report["seq_len"]))
+        stages.append({"stage": k, "ratio": ratio, "widths": report["widths_after"], "heal_tokens": run.tokens,
+                       "cpu_s": round(time.process_time() - cpu0, 1), "wall_s": round(time.perf_counter() - wall0, 1),
+                       "last_loss": run.losses[-1] if run.losses else None})
+        print(json.dumps(stages[-1]), flush=True)
+        current = str(run.final_dir)
+    model, tokenizer, _ = load_model(current)
+    evalb = eval_set_blocks(tokenizer, "all-eval", 512, 16384)
+    before = json.loads((RESULTS / "source.json").read_text())
+    after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}
+    entries = perplexity_entries(before, after, ("default", SELF))
+    result = {"name": Path(args.out).stem, "stages": stages, "importance": args.importance,
+              "heal_tokens": sum(s["heal_tokens"] for s in stages), "threads": torch.get_num_threads(),
+              "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
+                                   "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},
+              "ood_geomean": entries.get("perplexity_ratio_ood_geomean"),
+              "cpu_s": round(time.process_time() - cpu0, 1), "wall_s": round(time.perf_counter() - wall0, 1)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in result["sets"].items())
+    print(f"{result['name']}: ood_geomean={result['ood_geomean']:.4f} {ratios}")
+
+
+if __name__ == "__main__":
+    main()

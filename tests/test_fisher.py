@@ -1,0 +1,112 @@
+"""``--importance fisher``: the hooks' mask-gradient Fisher equals the Fisher of an explicit mask parameter, and a
+conversion ranked by it keeps the parameter count, reloads strictly and is refused under --low-memory."""
+
+import pytest
+import torch
+from tiny_sources import DATA, make_source, tiny_tokenizer
+
+from conftest import make_model
+from tlm_convert.compensate import obs_prune
+from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.errors import ConversionError
+from tlm_convert.fisher import fisher_scores
+from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
+
+
+class _Mask(torch.nn.Module):
+    """down_proj(a * m): an explicit mask on the neurons, whose gradient is the mask gradient."""
+
+    def __init__(self, down):
+        super().__init__()
+        self.down = down
+        self.mask = torch.nn.Parameter(torch.ones(down.in_features, dtype=torch.float64))
+
+    def forward(self, a):
+        return self.down(a * self.mask.to(a.dtype))
+
+
+def _reference_fisher(model, blocks, seed):
+    """Σ_s (∂ log p(y_s)/∂m)² with one backward pass per sequence, targets drawn as fisher_scores draws them."""
+    layers = model.model.layers
+    masks = [_Mask(layer.mlp.down_proj) for layer in layers]
+    for layer, mask in zip(layers, masks):
+        layer.mlp.down_proj = mask
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for mask in masks:
+        mask.mask.requires_grad_(True)
+    gen = torch.Generator().manual_seed(seed)
+    scores = [torch.zeros(m.mask.numel(), dtype=torch.float64) for m in masks]
+    for row in blocks:  # one sequence at a time: its own mask gradient
+        with torch.enable_grad():
+            logits = model(input_ids=row[None], use_cache=False).logits[0]  # (S, V)
+            targets = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)  # (S, 1)
+            loglik = torch.log_softmax(logits, -1).gather(1, targets).sum()
+            grads = torch.autograd.grad(loglik, [m.mask for m in masks])
+        for score, grad in zip(scores, grads):
+            score += grad.double().pow(2)
+    return scores
+
+
+def test_fisher_scores_equal_the_explicit_mask_fisher():
+    torch.manual_seed(0)
+    model = make_model(seed=1).double().eval()
+    blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
+    # batch_size 1: the reference draws its targets one sequence at a time from one generator, as this does
+    ours = fisher_scores(model, blocks, seed=5, batch_size=1)
+    assert all(p.requires_grad for p in model.parameters())  # left as they were
+    ref = _reference_fisher(model, blocks, seed=5)
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        assert (a > 0).all()
+
+
+def test_fisher_scores_are_deterministic_and_batching_only_changes_the_draw():
+    model = make_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (4, 10), generator=torch.Generator().manual_seed(2))
+    first, again = fisher_scores(model, blocks, seed=3), fisher_scores(model, blocks, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other = fisher_scores(model, blocks, seed=4)
+    assert any(not torch.equal(a, b) for a, b in zip(first, other))
+    assert all(p.grad is None for p in model.parameters())  # no parameter gradients were formed
+
+
+def test_neuron_scores_take_the_whole_model_scores():
+    weights = {"down_proj": torch.ones(3, 4)}
+    given = torch.tensor([0.5, 2.0, 1.0, 0.0])
+    assert torch.equal(neuron_scores("fisher", None, weights, whole_model=given), given.double())
+    with pytest.raises(ValueError, match="before the layer loop"):
+        neuron_scores("fisher", None, weights)
+
+
+def test_obs_cost_weights_protect_a_neuron_and_unit_weights_change_nothing():
+    gen = torch.Generator().manual_seed(0)
+    acts = torch.randn(300, 12, generator=gen) * torch.rand(12, generator=gen)
+    gram, down = (acts.T @ acts).double(), torch.randn(5, 12, generator=gen)
+    keep, new_down = obs_prune(gram, down, 6)
+    same_keep, same_down = obs_prune(gram, down, 6, weights=torch.ones(12, dtype=torch.float64))
+    assert keep == same_keep and torch.equal(new_down, same_down)
+    first_out = sorted(set(range(12)) - set(keep))[0]
+    protected = torch.ones(12, dtype=torch.float64)
+    protected[first_out] = 1e9
+    assert first_out in obs_prune(gram, down, 6, weights=protected)[0]
+
+
+def test_sensitivity_is_fisher_per_unit_of_output_energy():
+    stats = ActivationStats(3)
+    stats.update(torch.tensor([[[1.0, 2.0, 0.5]]]))
+    down = torch.tensor([[1.0, 1.0, 2.0]])
+    weights = sensitivity(torch.tensor([1.0, 4.0, 1.0]), stats, down)  # energies 1, 4, 1: ratios 1, 1, 1
+    torch.testing.assert_close(weights, torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("importance", ["fisher", "fisher_obs"])
+def test_fisher_conversion_keeps_the_parameter_count_and_is_refused_low_memory(importance, tmp_path):
+    src = make_source(tmp_path / "src", "llama", tokenizer=tiny_tokenizer())
+    opts = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(importance=importance, **opts))
+    assert report["importance"] == importance and report["params_after"] == report["params_before"]
+    assert report["widths_after"] != report["widths_before"] and "rank" in report["seconds"]
+    with pytest.raises(ConversionError, match="drop --low-memory"):
+        ConvertOptions(importance=importance, low_memory=True, **opts).validate()

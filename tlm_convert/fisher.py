@@ -1,0 +1,99 @@
+"""``--importance fisher``: MLP neurons ranked by what removing them costs the model's own output distribution.
+
+Every other metric is local to one layer: OBS ranks a neuron by the error its removal leaves in *that layer's*
+output after compensation. This one asks the whole model. Put a mask m_j = 1 on neuron j's activation a_j; removing
+the neuron sets m_j = 0, and the KL divergence from the source's next-token distribution to the pruned model's grows,
+to second order, by ½ F_jj, where F is the Fisher information of the model's own predictive distribution with
+respect to the masks (the Hessian of that KL at m = 1; its gradient there is zero, so first-order Taylor scores of
+the KL vanish). The score of neuron j is the diagonal
+
+    F_jj = Σ_s ( Σ_t a_stj · ∂ log p(y_st | x_s,<t) / ∂a_stj )²      y_st ~ p(· | x_s,<t), drawn from the model
+
+over calibration sequences s and positions t: the squared gradient of the sampled sequence's log-likelihood with
+respect to the mask (mask gradients per sequence, as Kwon et al. 2022 use them; SDMPrune, arXiv 2506.11120, ranks
+neurons by gradients of the same self-distillation objective). With targets drawn from the model, the score
+functions of different positions have zero mean and are independent given the inputs, so the square of their sum
+estimates the sum of the per-position Fisher diagonals without one backward pass per position.
+
+The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
+layer loop (no parameter gradients are formed: the embeddings' output is the only leaf that requires grad). The
+layer loop then keeps each shrinking layer's top-scored neurons and refits its down projection as for any score
+(calibrate.convert_layers); growing layers keep every neuron. It needs the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+LOGITS_BUDGET = 1 << 30  # bytes of fp32 logits a backward batch may form (rows per batch follow from it)
+
+
+def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8,
+                  progress: bool = False) -> list[torch.Tensor]:
+    """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
+    the calibration ``blocks`` (n, S). Deterministic for a seed; the model's parameters and the global random state
+    are left as they were."""
+    layers = model.model.layers
+    seq_len, vocab = blocks.shape[1], model.config.vocab_size
+    rows = max(1, min(batch_size, LOGITS_BUDGET // (4 * seq_len * vocab)))
+    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    bar = tqdm(total=len(blocks), desc="fisher", unit="seq", file=sys.stderr, disable=not progress)
+    try:
+        with bar, ExitStack() as hooks, torch.enable_grad():
+            hooks.callback(model.model.embed_tokens.register_forward_hook(_needs_grad).remove)
+            for layer, score in zip(layers, scores):
+                hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score)).remove)
+            for first in range(0, len(blocks), rows):
+                ids = blocks[first : first + rows].to(device)  # (B, S)
+                _sampled_loglik(model, ids, gen).backward()
+                bar.update(ids.shape[0])
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return scores
+
+
+def _needs_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_()  # the graph's one leaf: activations get gradients, parameters none
+
+
+class _MaskGradient:
+    """Pre-hook on ``down_proj``: a (B, S, I) is its input; once the backward pass reaches it, adds
+    Σ_b (Σ_t a · ∂L/∂a)² to ``score``."""
+
+    def __init__(self, score: torch.Tensor):
+        self.score = score
+
+    def __call__(self, _module, args):
+        a = args[0]
+        if a.requires_grad:
+            kept = a.detach()
+
+            def add(grad: torch.Tensor) -> None:  # (B, S, I); returns None: the gradient itself is unchanged
+                self.score.add_((kept.double() * grad.double()).sum(1).pow(2).sum(0))
+
+            a.register_hook(add)
+
+
+def _sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """log p(y | ids) summed over every position, y drawn from the model's own next-token distribution."""
+    logits = model(input_ids=ids, use_cache=False).logits  # (B, S, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    with torch.no_grad():
+        probs = F.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])  # (B*S, V)
+        targets = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (B*S,)
+        del probs
+    return -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum")
+
+
+__all__ = ["fisher_scores", "LOGITS_BUDGET"]
