@@ -80,8 +80,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         has_h, has_w = ctx.has
-        dh = (grad_h * grad_out).to(ctx.dtypes[0]) if has_h else None
-        dw = (grad_w * grad_out).to(ctx.dtypes[1]) if has_w else None
+        # scaled in place: the head's gradient is as large as the head (a second backward through the same graph
+        # is refused by autograd's saved-tensor version check)
+        dh = grad_h.mul_(grad_out).to(ctx.dtypes[0]) if has_h else None
+        dw = grad_w.mul_(grad_out).to(ctx.dtypes[1]) if has_w else None
         return dh, dw, None, None, None, None, None, None, None, None, None
 
 
