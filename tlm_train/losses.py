@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Positions whose logits are formed at a time: bench/RESULTS.md "Heal step" (tlm_train.losses chunk sweep) measured
-# the heal step's speed and peak against the chunk at SmolLM2's and Gemma 3's vocabularies.
+# Positions whose logits are formed at a time: the loss's speed and peak memory against the chunk at SmolLM2's and
+# Gemma 3's vocabularies are in bench/RESULTS.md "Heal step" (the chunk sweep).
 HEAD_CHUNK = 256
 
 
