@@ -52,6 +52,7 @@ from tlm_convert.perplexity import nll_sum
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
+from .losses import head_loss
 from .recipe import Recipe, RecipeError
 
 logger = logging.getLogger(__name__)
@@ -660,18 +661,10 @@ class _Run:
             ids = next(self.batches).to(d.device, non_blocking=True)  # (B, S): this rank's micro-batch
             sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
-                out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
-                logits = out.logits  # (B, S, V)
                 if self.teacher is None:
-                    loss = lm_loss(logits, ids)
+                    loss = lm_loss(self.forward(input_ids=ids, use_cache=False).logits, ids)
                 else:
-                    with torch.no_grad():
-                        teacher_out = self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
-                    kd = distill_loss(logits, teacher_out.logits, r.distill.temperature)
-                    if hidden:
-                        kd = kd + r.distill.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
-                    alpha = r.distill.alpha  # alpha 1: pure distillation, the LM loss is not formed at all
-                    loss = kd if alpha == 1 else (1 - alpha) * lm_loss(logits, ids) + alpha * kd
+                    loss = self._distill_loss(ids, hidden)
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
         if r.optim.grad_clip is not None:
@@ -682,6 +675,24 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return d.all_mean(total)
+
+    def _distill_loss(self, ids: torch.Tensor, hidden: bool) -> torch.Tensor:
+        """(1 - alpha) * LM loss + alpha * (T^2 * KL + hidden_weight * residual-stream loss), the logit terms formed
+        from the final hidden states and LM heads a chunk of positions at a time (tlm_train.losses.head_loss):
+        neither model's (B, S, V) logits exist whole. alpha 1: pure distillation, the LM term is not formed."""
+        d = self.recipe.distill
+        # logits_to_keep=1: the student's head runs on the last position only (unused); hidden_states[-1] is the
+        # final normed state the head reads
+        out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        with torch.no_grad():
+            teacher_out = self.teacher.model(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
+        loss = head_loss(out.hidden_states[-1], _unwrap(self.model).get_output_embeddings().weight, ids,
+                         teacher_hidden=teacher_out.last_hidden_state,
+                         teacher_head=self.teacher.get_output_embeddings().weight,
+                         kd_weight=d.alpha, lm_weight=1 - d.alpha, temperature=d.temperature)
+        if hidden:
+            loss = loss + d.alpha * d.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:

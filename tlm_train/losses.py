@@ -1,0 +1,148 @@
+"""Distillation and next-token losses formed from final hidden states and LM heads, a chunk of positions at a time.
+
+A heal step's loss needs the student's and the teacher's logits: with a large vocabulary (Gemma 3's 262,144
+entries) the (batch, seq, vocab) fp32 logit tensors of the two models, their softmaxes and the gradient of the
+student's are several times the size of the model. :func:`head_loss` never forms them whole: it takes the final
+(normed) hidden states and the LM head weights, forms the logits of ``chunk`` positions at a time, and computes the
+loss *and its gradient* for that chunk in the same pass (the head's gradient is accumulated, the hidden states'
+gradient written row by row), so the backward pass only scales the stored gradients. At most a few (chunk, vocab)
+fp32 buffers exist at once; the gradient costs the same two head products per chunk as autograd's, and the logits
+are not recomputed.
+
+The loss is ``lm_weight * CE + kd_weight * T^2 * KL(softmax(z_t / T) || softmax(z_s / T))``, both terms the mean
+over the N = B * (S - 1) predicted positions, exactly tlm_train.trainer's ``lm_loss`` and ``distill_loss``
+(tests/test_losses.py pins the equality and the gradients). A term whose weight is 0 is not formed at all.
+
+Precision follows autocast as an ``nn.Linear`` head would: inside a bf16 autocast region the head products run in
+bf16 (the logits rounded to bf16, then upcast), the softmaxes, the loss and the head's gradient accumulation in
+fp32; outside autocast everything runs in the hidden states' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Positions whose logits are formed at a time: the loss's speed and peak memory against the chunk at SmolLM2's and
+# Gemma 3's vocabularies are in bench/RESULTS.md "Heal step" (the chunk sweep).
+HEAD_CHUNK = 256
+
+
+def head_loss(student_hidden: torch.Tensor, student_head: torch.Tensor, ids: torch.Tensor, *,
+              teacher_hidden: torch.Tensor | None = None, teacher_head: torch.Tensor | None = None,
+              kd_weight: float = 0.0, lm_weight: float = 1.0, temperature: float = 1.0,
+              chunk: int = HEAD_CHUNK) -> torch.Tensor:
+    """Scalar ``lm_weight * CE + kd_weight * T^2 * KL`` of next-token prediction, from hidden states.
+
+    student_hidden (B, S, d) and teacher_hidden (B, S, d_t): final normed states of ``ids`` (B, S); student_head
+    (V, d) and teacher_head (V, d_t): the LM head weights (no bias). Position t predicts ids[:, t + 1], so the last
+    position is left out. The teacher side is needed only when kd_weight > 0 and never receives a gradient."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if kd_weight and (teacher_hidden is None or teacher_head is None):
+        raise ValueError("kd_weight > 0 needs teacher_hidden and teacher_head")
+    if teacher_head is not None and teacher_head.shape[0] != student_head.shape[0]:
+        raise ValueError(f"the teacher's head has {teacher_head.shape[0]} vocabulary entries, the student's "
+                         f"{student_head.shape[0]}")
+    device = student_hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = student_hidden.dtype
+    hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])  # (N, d)
+    ht = None
+    if kd_weight:
+        ht = teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1]).detach()  # (N, d_t)
+        teacher_head = teacher_head.detach()
+    else:
+        teacher_head = None
+    targets = ids[:, 1:].reshape(-1)  # (N,)
+    grads = torch.is_grad_enabled()  # no gradient is formed under torch.no_grad()
+    return _ChunkedHeadLoss.apply(hs, student_head, ht, teacher_head, targets, float(kd_weight), float(lm_weight),
+                                  float(temperature), int(chunk), dtype, grads)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Loss and gradient in one chunked forward pass; backward scales the stored gradients by grad_output."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, chunk, dtype, grads):
+        need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        with torch.autocast(hs.device.type, enabled=False):
+            loss, grad_h, grad_w = _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature,
+                                                   chunk, dtype, need_h, need_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hs.dtype, ws.dtype)
+        ctx.has = (grad_h is not None, grad_w is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        has_h, has_w = ctx.has
+        # scaled in place: the head's gradient is as large as the head (a second backward through the same graph
+        # is refused by autograd's saved-tensor version check)
+        dh = grad_h.mul_(grad_out).to(ctx.dtypes[0]) if has_h else None
+        dw = grad_w.mul_(grad_out).to(ctx.dtypes[1]) if has_w else None
+        return dh, dw, None, None, None, None, None, None, None, None, None
+
+
+def _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, chunk, dtype, need_h, need_w):
+    """(loss, d loss / d hs or None, d loss / d ws or None) over the N rows of hs (N, d), chunk by chunk; the loss,
+    softmaxes and gradients in fp32 (fp64 when the products are)."""
+    n = hs.shape[0]
+    acc = torch.promote_types(dtype, torch.float32)
+    ws_c = ws.to(dtype)  # (V, d): the head in the product dtype, cast once
+    wt_c = wt.to(dtype) if wt is not None else None
+    loss = torch.zeros((), dtype=acc, device=hs.device)
+    grad_h = torch.empty(hs.shape, dtype=acc, device=hs.device) if need_h else None
+    grad_w = torch.zeros(ws.shape, dtype=acc, device=ws.device) if need_w else None
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        h_c = hs[start:stop].to(dtype)  # (C, d)
+        z_s = (h_c @ ws_c.T).to(acc)  # (C, V)
+        part, grad_z = _chunk_loss(z_s, ht, wt_c, targets[start:stop], start, stop, n, kd_weight, lm_weight,
+                                   temperature, dtype)
+        loss += part
+        del z_s
+        if grad_h is None and grad_w is None:
+            continue
+        grad_z = grad_z.to(dtype)  # (C, V): the head's backward runs in the product dtype, as nn.Linear's would
+        if grad_h is not None:
+            grad_h[start:stop] = grad_z @ ws_c
+        if grad_w is not None:
+            grad_w += grad_z.T @ h_c
+        del grad_z
+    return loss, grad_h, grad_w
+
+
+def _chunk_loss(z_s, ht, wt_c, targets, start, stop, n, kd_weight, lm_weight, temperature, dtype):
+    """(this chunk's share of the loss, d loss / d z_s (C, V)) for student logits z_s (C, V) in fp32 or fp64."""
+    grad_z = None
+    part = z_s.new_zeros(())
+    if kd_weight:
+        t = temperature
+        with torch.no_grad():
+            z_t = (ht[start:stop].to(dtype) @ wt_c.T).to(z_s.dtype)  # (C, V) teacher logits
+        t_logp = F.log_softmax(z_t / t if t != 1 else z_t, dim=-1)
+        del z_t
+        s_logp = F.log_softmax(z_s / t if t != 1 else z_s, dim=-1)
+        p_t = t_logp.exp()
+        # KL(p_t || p_s) summed over the chunk's rows; d/dz_s of T^2 * KL / N = T * (p_s - p_t) / N
+        part = part + kd_weight * t * t / n * (p_t * (t_logp - s_logp)).sum()
+        del t_logp
+        grad_z = s_logp.exp_().sub_(p_t).mul_(kd_weight * t / n)
+        del p_t
+    if lm_weight:
+        logp = F.log_softmax(z_s, dim=-1)  # (C, V)
+        rows = torch.arange(stop - start, device=z_s.device)
+        part = part + lm_weight / n * -logp[rows, targets].sum()
+        g = logp.exp_()  # softmax; d CE / d z = softmax - onehot(target)
+        g[rows, targets] -= 1.0
+        g.mul_(lm_weight / n)
+        grad_z = g if grad_z is None else grad_z.add_(g)
+        del logp
+    return part, grad_z
+
+
+__all__ = ["head_loss", "HEAD_CHUNK"]
