@@ -9,6 +9,9 @@ where tlm_train.trainer.bf16_is_fast, else fp32) on random tokens:
     heal_full     the heal step before the chunked loss: student and teacher logits whole, trainer.distill_loss
     heal_chunked  the heal step ``tlm train`` now takes: final hidden states of both models, losses.head_loss
                   (logits a chunk of positions at a time, the gradient formed in the same pass)
+    heal_topk     the step of a later epoch with ``distill.teacher_topk: --topk``: the teacher's top-k
+                  log-probabilities of the batch read from the cache (computed once, untimed), no teacher forward;
+                  head_loss's top-k + rest KL
 
 Time, in this process: after one untimed step of each, the variants alternate in rounds (A B C, C B A, ...) so a slow
 phase of a shared machine hits all; per variant the median step wall time gives tokens/s, and the phases are timed
@@ -20,7 +23,7 @@ Peak RSS, one fresh subprocess per variant (a variant's peak is its own, not the
 models and the optimizer are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``), --rss-steps
 steps run, and VmHWM is read: the resident peak of the steps, the models and the optimizer state included, loading
 not. A parent watchdog kills a child whose RSS passes --rss-limit-gb. Gemma 3 270M (--gemma) runs only its
-heal_chunked child (the whole-logit heal is known to need far more than the machine has), and only when
+heal_chunked and heal_topk children (the whole-logit heal is known to need far more than the machine has), and only when
 MemAvailable is at least --gemma-min-free-gb.
 
     nice -n 19 python bench/heal_step.py --gemma                  # SmolLM2-135M side by side, Gemma's peak
@@ -53,11 +56,11 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from tlm_convert.heal import HEAL_RECIPE  # noqa: E402
-from tlm_train.losses import HEAD_CHUNK, head_loss  # noqa: E402
+from tlm_train.losses import HEAD_CHUNK, head_loss, teacher_topk  # noqa: E402
 from tlm_train.recipe import OptimSpec  # noqa: E402
 from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss  # noqa: E402
 
-VARIANTS = ("plain", "heal_full", "heal_chunked")
+VARIANTS = ("plain", "heal_full", "heal_chunked", "heal_topk")
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
 QUICK_SHAPES = {"batch": 2, "seq_len": 33}
 SWEEP_SHAPES = {"smollm2-135m": (576, 49152), "gemma3-270m": (640, 262144)}  # (hidden, vocab) of the heads
@@ -111,13 +114,28 @@ class Timer:
         self.cpu[phase] += time.process_time() - cpu
 
 
-def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chunk: int) -> dict:
-    """One optimizer step of ``variant`` (see the module docstring); its loss and phase times."""
+def cached_top(teacher, ids: torch.Tensor, bf16: bool, k: int):
+    """The teacher's top-k (indices, log-probabilities) of ids, as the trainer's cache holds them."""
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext(), torch.no_grad():
+        h_t = teacher.model(input_ids=ids, use_cache=False).last_hidden_state
+        return teacher_topk(h_t, teacher.lm_head.weight, k, HEAL_RECIPE["distill"]["temperature"])
+
+
+def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chunk: int, top=None) -> dict:
+    """One optimizer step of ``variant`` (see the module docstring); its loss and phase times. ``top``: the cached
+    teacher top-k of ids (heal_topk)."""
     d = HEAL_RECIPE["distill"]
     alpha, t = d["alpha"], d["temperature"]
     timer = Timer()
     with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
-        if variant == "heal_chunked":  # as tlm_train.trainer._Run takes it
+        if variant == "heal_topk":  # a later epoch of a heal with distill.teacher_topk
+            with timer("student_forward"):
+                h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
+                            logits_to_keep=1).hidden_states[-1]
+            with timer("loss"):
+                loss = head_loss(h, student.lm_head.weight, ids, teacher_top=top, kd_weight=alpha,
+                                 lm_weight=1 - alpha, temperature=t, chunk=chunk)
+        elif variant == "heal_chunked":  # as tlm_train.trainer._Run takes it
             with timer("student_forward"):
                 h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
                             logits_to_keep=1).hidden_states[-1]
@@ -173,17 +191,18 @@ def side_by_side(model: str, args, bf16: bool) -> dict:
     student, teacher = build(model, args.quick)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
+    top = cached_top(teacher, ids, bf16, args.topk)
     runs = {v: [] for v in VARIANTS}
     for v in VARIANTS:  # untimed: allocator, AdamW state, oneDNN kernels
-        step(v, student, teacher, opt, ids, bf16, args.chunk)
+        step(v, student, teacher, opt, ids, bf16, args.chunk, top)
     for i in range(args.steps):
         for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            runs[v].append(step(v, student, teacher, opt, ids, bf16, args.chunk))
+            runs[v].append(step(v, student, teacher, opt, ids, bf16, args.chunk, top))
             print(f"{model} {v}: {sum(runs[v][-1]['wall'].values()):.2f} s", flush=True)
     tokens = args.batch * args.seq_len
     out = {v: summarize(runs[v], tokens) for v in VARIANTS}
     plain = out["plain"]["tokens_per_s"]
-    for v in ("heal_full", "heal_chunked"):
+    for v in VARIANTS[1:]:
         out[v]["vs_plain"] = round(out[v]["tokens_per_s"] / plain, 3)
     return out
 
@@ -205,9 +224,10 @@ def child_rss(variant: str, model: str, args, bf16: bool) -> dict:
     student, teacher = build(model, args.quick)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
+    top = cached_top(teacher, ids, bf16, args.topk) if variant == "heal_topk" else None  # the cache, before the mark
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk) for _ in range(args.rss_steps)]
+    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk, top) for _ in range(args.rss_steps)]
     import resource
 
     return {"peak_rss_mb": round(_status_kb("VmHWM") / 1024), "rss_before_steps_mb": round(before / 1024),
@@ -247,7 +267,8 @@ def run_child(argv: list[str], limit_gb: float) -> dict:
 
 def _child_argv(args, model: str, variant: str) -> list[str]:
     argv = ["--child", variant, "--model", model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-            "--rss-steps", str(args.rss_steps), "--chunk", str(args.chunk), "--threads", str(args.threads)]
+            "--rss-steps", str(args.rss_steps), "--chunk", str(args.chunk), "--threads", str(args.threads),
+            "--topk", str(args.topk)]
     return argv + (["--quick"] if args.quick else [])
 
 
@@ -324,6 +345,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed rounds (one step of every variant each)")
     ap.add_argument("--rss-steps", type=int, default=2, help="steps of each peak-RSS subprocess")
     ap.add_argument("--chunk", type=int, default=HEAD_CHUNK, help="positions per chunk of the chunked loss")
+    ap.add_argument("--topk", type=int, default=128, help="k of the heal_topk variant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rss-limit-gb", type=float, default=12.0, help="a child past this RSS is killed")
     ap.add_argument("--gemma-min-free-gb", type=float, default=14.0, help="Gemma runs only with this much free")
@@ -353,7 +375,7 @@ def main(argv=None) -> None:
     wall, cpu, cpu_children = time.perf_counter(), time.process_time(), os.times()
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "threads": args.threads, "precision": "bf16" if bf16 else "fp32", "bf16_is_fast": bf16_is_fast("cpu"),
-              "batch": args.batch, "seq_len": args.seq_len, "chunk": args.chunk, "quick": args.quick,
+              "batch": args.batch, "seq_len": args.seq_len, "chunk": args.chunk, "topk": args.topk, "quick": args.quick,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": os.getloadavg()}
     if args.sweep:
         result["sweep"] = sweep(args)
@@ -369,8 +391,8 @@ def main(argv=None) -> None:
             if free < args.gemma_min_free_gb:
                 gemma["skipped"] = f"MemAvailable {free:.1f} GB < --gemma-min-free-gb {args.gemma_min_free_gb}"
             else:
-                gemma["peak_rss"]["heal_chunked"] = run_child(_child_argv(args, "gemma3-270m", "heal_chunked"),
-                                                              args.rss_limit_gb)
+                for v in ("heal_chunked", "heal_topk"):
+                    gemma["peak_rss"][v] = run_child(_child_argv(args, "gemma3-270m", v), args.rss_limit_gb)
             result["models"]["gemma3-270m"] = gemma
             print(f"gemma3-270m: {gemma}", flush=True)
     ends = os.times()

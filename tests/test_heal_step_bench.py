@@ -17,7 +17,7 @@ def test_quick_heal_step_bench_times_every_variant_and_measures_a_peak(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     timing = result["models"]["smollm2-135m"]["timing"]
-    assert set(timing) == {"plain", "heal_full", "heal_chunked"}
+    assert set(timing) == {"plain", "heal_full", "heal_chunked", "heal_topk"}
     for row in timing.values():
         assert row["tokens_per_s"] > 0 and abs(sum(v for k, v in row["wall_share"].items()
                                                    if k != "student_forward_backward") - 1) < 0.01

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tlm_train.trainer as trainer_module
-from tlm_train.losses import head_loss
-from tlm_train.recipe import recipe_from_dict
+from tlm_train.losses import head_loss, teacher_topk
+from tlm_train.recipe import RecipeError, recipe_from_dict
 from tlm_train.trainer import distill_loss, hidden_loss, lm_loss, load_pretrained, train
 
-from test_train import tiny_recipe
+from test_train import DATA, tiny_recipe
+
+DATA_TEXT = DATA.read_text()
 
 B, S, D, D_T, V = 3, 11, 8, 6, 37  # N = B * (S - 1) = 30 predicted positions
 
@@ -203,3 +205,97 @@ def test_heal_step_with_the_chunked_loss_matches_the_whole_logit_step(tmp_path, 
         moved = max(moved, float((value - before[name]).abs().max()))
     assert moved > 1e-3  # the step changed the weights
     assert math.isfinite(healed.eval_loss)
+
+
+# ---------------------------------------------------------------------------------------------- the teacher's top k
+
+
+def _top_reference(hs, ws, ht, wt, ids, alpha, t, k):
+    """The top-k + rest KL written out directly (autograd, fp64): the distributions collapsed onto the teacher's
+    k most likely entries and one entry for the rest."""
+    zs, zt = (hs @ ws.T)[:, :-1], (ht @ wt.T)[:, :-1]
+    t_logp, idx = F.log_softmax(zt / t, -1).topk(k, -1)
+    s_logp = F.log_softmax(zs / t, -1).gather(-1, idx)
+    p_top, r_t = t_logp.exp(), (1 - t_logp.exp().sum(-1)).clamp_min(0)
+    r_s = (1 - s_logp.exp().sum(-1)).clamp_min(1e-300)  # k = V: r_t = 0 and xlogy(0, .) = 0
+    kl = (p_top * (t_logp - s_logp)).sum(-1) + torch.xlogy(r_t, r_t) - torch.xlogy(r_t, r_s)
+    ce = F.cross_entropy(zs.flatten(0, 1), ids[:, 1:].flatten())
+    return alpha * kl.mean() * t * t + (1 - alpha) * ce, (idx.int(), t_logp)
+
+
+@pytest.mark.parametrize("k", [1, 5, V])
+@pytest.mark.parametrize("alpha, t, chunk", [(1.0, 1.0, 7), (0.5, 2.0, 4), (0.3, 0.7, 1000)])
+def test_top_k_loss_and_gradients_equal_the_written_out_formula_fp64(k, alpha, t, chunk):
+    hs, ws, ht, wt, ids = _inputs(torch.float64, seed=6)
+    ref, top = _top_reference(hs, ws, ht, wt, ids, alpha, t, k)
+    want = _grads(ref, hs, ws)
+    got = _grads(head_loss(hs, ws, ids, teacher_top=top, kd_weight=alpha, lm_weight=1 - alpha, temperature=t,
+                           chunk=chunk), hs, ws)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_top_k_of_the_whole_vocabulary_is_the_whole_kl():
+    hs, ws, ht, wt, ids = _inputs(torch.float64, seed=7)
+    top = teacher_topk(ht, wt, V, temperature=1.5, chunk=6)
+    full = _grads(_chunked(hs, ws, ht, wt, ids, 0.5, 1.5, 9), hs, ws)
+    got = _grads(head_loss(hs, ws, ids, teacher_top=top, kd_weight=0.5, lm_weight=0.5, temperature=1.5, chunk=9),
+                 hs, ws)
+    for w, g in zip(full, got):  # the cached log-probabilities are fp32: their rounding, ~1e-7 relative per entry
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    k = 4
+    idx, logp = teacher_topk(ht, wt, k, temperature=1.5, chunk=6)
+    want_logp, want_idx = F.log_softmax((ht @ wt.T)[:, :-1] / 1.5, -1).topk(k, -1)
+    assert idx.shape == (B, S - 1, k) and idx.dtype == torch.int32 and logp.dtype == torch.float32
+    assert torch.equal(idx.long(), want_idx)
+    torch.testing.assert_close(logp, want_logp.float())
+    with pytest.raises(ValueError, match=r"k must be in \[1, 37\]"):
+        teacher_topk(ht, wt, V + 1)
+
+
+def _short_text(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text(DATA_TEXT[:700])  # 21 blocks of 33 bytes: 5 steps of 4 blocks an epoch
+    return str(path)
+
+
+def _heal(tmp_path, name, student, teacher, text, **distill):
+    heal = tiny_recipe(tmp_path, name, train={"max_steps": 12, "precision": "fp32"},
+                       data={"train": text, "eval_tokens": 66},
+                       optim={"lr": 1e-3, "min_lr": 1e-3, "warmup_steps": 0, "decay": "constant"},
+                       distill={"teacher": str(teacher.final_dir), "alpha": 0.7, "temperature": 2.0, **distill})
+    del heal["model"], heal["tokenizer"]
+    heal["init_from"] = str(student.final_dir)
+    return train(recipe_from_dict(heal))
+
+
+def test_a_heal_with_the_cached_top_k_of_the_whole_vocabulary_takes_the_same_steps(tmp_path, monkeypatch):
+    """teacher_topk = V is the whole KL: the same losses as the uncached heal; each block's teacher pass runs once
+    (the second and third epochs read the cache)."""
+    first = train(recipe_from_dict(tiny_recipe(tmp_path, "a", train={"max_steps": 2})))
+    teacher = train(recipe_from_dict(tiny_recipe(tmp_path, "b", seed=5, train={"max_steps": 3})))
+    text = _short_text(tmp_path)
+    caches = []
+
+    class Recording(trainer_module.TeacherTopCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(trainer_module, "TeacherTopCache", Recording)
+    full = _heal(tmp_path, "full", first, teacher, text)
+    assert not caches
+    cached = _heal(tmp_path, "cached", first, teacher, text, teacher_topk=256)
+    assert cached.losses == pytest.approx(full.losses, rel=1e-5)
+    (cache,) = caches
+    assert cache.misses == len(cache) and cache.hits + cache.misses == 12 * 4 and cache.hits > cache.misses
+    topk = _heal(tmp_path, "top8", first, teacher, text, teacher_topk=8)
+    assert topk.losses[0] != pytest.approx(full.losses[0], rel=1e-6)  # k < V is an approximation: it can differ
+
+
+def test_teacher_topk_is_checked():
+    base = {"output_dir": "x", "init_from": "y", "data": {"train": "z"}}
+    with pytest.raises(RecipeError, match="distill.teacher_topk: must be >= 0"):
+        recipe_from_dict({**base, "distill": {"teacher": "t", "teacher_topk": -1}})
+    with pytest.raises(RecipeError, match="set one of them to 0"):
+        recipe_from_dict({**base, "distill": {"teacher": "t", "teacher_topk": 8, "hidden_weight": 0.1}})

@@ -13,6 +13,12 @@ The loss is ``lm_weight * CE + kd_weight * T^2 * KL(softmax(z_t / T) || softmax(
 over the N = B * (S - 1) predicted positions, exactly tlm_train.trainer's ``lm_loss`` and ``distill_loss``
 (tests/test_losses.py pins the equality and the gradients). A term whose weight is 0 is not formed at all.
 
+The teacher may also come as its top-k log-probabilities at temperature T (:func:`teacher_topk`, computed once and
+reused when the same text is seen again): the KL is then taken between the two distributions collapsed onto the k
+teacher entries plus one "rest" entry holding the remaining mass, ``sum_k p_k log(p_k / q_k) + r_t log(r_t / r_s)``.
+It is exact when the k entries hold all the teacher's mass, and its gradient pulls the student's rest mass towards the
+teacher's without reshaping it: ``(q_j - p_j) / T`` on the k entries, ``q_j (1 - r_t / r_s) / T`` elsewhere.
+
 Precision follows autocast as an ``nn.Linear`` head would: inside a bf16 autocast region the head products run in
 bf16 (the logits rounded to bf16, then upcast), the softmaxes, the loss and the head's gradient accumulation in
 fp32; outside autocast everything runs in the hidden states' dtype.
@@ -30,25 +36,26 @@ HEAD_CHUNK = 256
 
 def head_loss(student_hidden: torch.Tensor, student_head: torch.Tensor, ids: torch.Tensor, *,
               teacher_hidden: torch.Tensor | None = None, teacher_head: torch.Tensor | None = None,
+              teacher_top: tuple[torch.Tensor, torch.Tensor] | None = None,
               kd_weight: float = 0.0, lm_weight: float = 1.0, temperature: float = 1.0,
               chunk: int = HEAD_CHUNK) -> torch.Tensor:
     """Scalar ``lm_weight * CE + kd_weight * T^2 * KL`` of next-token prediction, from hidden states.
 
     student_hidden (B, S, d) and teacher_hidden (B, S, d_t): final normed states of ``ids`` (B, S); student_head
     (V, d) and teacher_head (V, d_t): the LM head weights (no bias). Position t predicts ids[:, t + 1], so the last
-    position is left out. The teacher side is needed only when kd_weight > 0 and never receives a gradient."""
+    position is left out. The teacher side is needed only when kd_weight > 0 and never receives a gradient; instead
+    of its hidden states and head it may be ``teacher_top`` = (indices, log-probabilities), each (B, S - 1, k), of
+    :func:`teacher_topk` at the same temperature (the KL over the top k plus the rest, see the module's doc)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if teacher_top is not None:
+        return _top_head_loss(student_hidden, student_head, ids, teacher_top, kd_weight, lm_weight, temperature, chunk)
     if kd_weight and (teacher_hidden is None or teacher_head is None):
         raise ValueError("kd_weight > 0 needs teacher_hidden and teacher_head")
     if teacher_head is not None and teacher_head.shape[0] != student_head.shape[0]:
         raise ValueError(f"the teacher's head has {teacher_head.shape[0]} vocabulary entries, the student's "
                          f"{student_head.shape[0]}")
-    device = student_hidden.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = student_hidden.dtype
+    dtype = _product_dtype(student_hidden)
     hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])  # (N, d)
     ht = None
     if kd_weight:
@@ -60,6 +67,47 @@ def head_loss(student_hidden: torch.Tensor, student_head: torch.Tensor, ids: tor
     grads = torch.is_grad_enabled()  # no gradient is formed under torch.no_grad()
     return _ChunkedHeadLoss.apply(hs, student_head, ht, teacher_head, targets, float(kd_weight), float(lm_weight),
                                   float(temperature), int(chunk), dtype, grads)
+
+
+def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype an nn.Linear head's product would run in here: autocast's, else the hidden states'."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _top_head_loss(student_hidden, student_head, ids, teacher_top, kd_weight, lm_weight, temperature, chunk):
+    idx, logp = teacher_top
+    n = ids.shape[0] * (ids.shape[1] - 1)
+    if idx.shape != logp.shape or idx.dim() != 3 or idx.shape[0] * idx.shape[1] != n:
+        raise ValueError(f"teacher_top must be two (B, S - 1, k) tensors for ids {tuple(ids.shape)}, got "
+                         f"{tuple(idx.shape)} and {tuple(logp.shape)}")
+    hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])  # (N, d)
+    top = (idx.reshape(n, -1), logp.reshape(n, -1).detach())  # (N, k) each
+    targets = ids[:, 1:].reshape(-1)  # (N,)
+    return _ChunkedHeadLoss.apply(hs, student_head, top, None, targets, float(kd_weight), float(lm_weight),
+                                  float(temperature), int(chunk), _product_dtype(student_hidden),
+                                  torch.is_grad_enabled())
+
+
+@torch.no_grad()
+def teacher_topk(hidden: torch.Tensor, head: torch.Tensor, k: int, temperature: float = 1.0,
+                 chunk: int = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int32, log-probabilities fp32), each (B, S - 1, k): the k most likely next tokens of every predicted
+    position under softmax(z / T), z = hidden (B, S, d) @ head (V, d).T formed ``chunk`` positions at a time."""
+    if not 1 <= k <= head.shape[0]:
+        raise ValueError(f"k must be in [1, {head.shape[0]}] (the vocabulary), got {k}")
+    b, s = hidden.shape[0], hidden.shape[1] - 1
+    dtype = _product_dtype(hidden)
+    h = hidden[:, :-1].reshape(b * s, -1)  # (N, d)
+    w = head.to(dtype)
+    idx = torch.empty(b * s, k, dtype=torch.int32, device=h.device)
+    logp = torch.empty(b * s, k, dtype=torch.float32, device=h.device)
+    with torch.autocast(h.device.type, enabled=False):
+        for start in range(0, b * s, chunk):
+            z = (h[start:start + chunk].to(dtype) @ w.T).float()  # (C, V)
+            vals, top = F.log_softmax(z / temperature if temperature != 1 else z, dim=-1).topk(k, dim=-1)
+            idx[start:start + chunk], logp[start:start + chunk] = top, vals
+    return idx.view(b, s, k), logp.view(b, s, k)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -93,6 +141,7 @@ def _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, 
     n = hs.shape[0]
     acc = torch.promote_types(dtype, torch.float32)
     ws_c = ws.to(dtype)  # (V, d): the head in the product dtype, cast once
+    # the teacher: its head in the product dtype, or (idx, logp) of its top k (then ht is that pair, wt None)
     wt_c = wt.to(dtype) if wt is not None else None
     loss = torch.zeros((), dtype=acc, device=hs.device)
     grad_h = torch.empty(hs.shape, dtype=acc, device=hs.device) if need_h else None
@@ -120,7 +169,10 @@ def _chunk_loss(z_s, ht, wt_c, targets, start, stop, n, kd_weight, lm_weight, te
     """(this chunk's share of the loss, d loss / d z_s (C, V)) for student logits z_s (C, V) in fp32 or fp64."""
     grad_z = None
     part = z_s.new_zeros(())
-    if kd_weight:
+    if kd_weight and isinstance(ht, tuple):
+        part, grad_z = _top_kl(z_s, ht[0][start:stop].long(), ht[1][start:stop].to(z_s.dtype), n, kd_weight,
+                               temperature)
+    elif kd_weight:
         t = temperature
         with torch.no_grad():
             z_t = (ht[start:stop].to(dtype) @ wt_c.T).to(z_s.dtype)  # (C, V) teacher logits
@@ -145,4 +197,21 @@ def _chunk_loss(z_s, ht, wt_c, targets, start, stop, n, kd_weight, lm_weight, te
     return part, grad_z
 
 
-__all__ = ["head_loss", "HEAD_CHUNK"]
+def _top_kl(z_s, idx, logp, n, kd_weight, t):
+    """(kd_weight * T^2 / n * the chunk's summed top-k + rest KL, its gradient d/dz_s (C, V)); idx, logp (C, k)."""
+    s_logp = F.log_softmax(z_s / t if t != 1 else z_s, dim=-1)  # (C, V)
+    s_top = s_logp.gather(1, idx)  # (C, k)
+    q = s_logp.exp_()  # (C, V) student probabilities, in place
+    q_top = q.gather(1, idx)
+    p_top = logp.exp()
+    r_t = (1 - p_top.sum(-1)).clamp_min(0)  # (C,) the teacher's mass outside its top k
+    rest = q.scatter_(1, idx, 0.0)  # (C, V): q off the top-k entries (summed directly: no 1 - sum cancellation)
+    r_s = rest.sum(-1).clamp_min(torch.finfo(z_s.dtype).tiny)  # (C,)
+    kl = (p_top * (logp - s_top)).sum(-1) + torch.xlogy(r_t, r_t) - torch.xlogy(r_t, r_s)  # (C,)
+    scale = kd_weight * t / n
+    grad = rest.mul_(((1 - r_t / r_s) * scale).unsqueeze(-1))  # off the top k: q_j (1 - r_t / r_s) T / n
+    grad.scatter_(1, idx, (q_top - p_top) * scale)  # on the top k: (q_j - p_j) T / n
+    return kd_weight * t * t / n * kl.sum(), grad
+
+
+__all__ = ["head_loss", "teacher_topk", "HEAD_CHUNK"]

@@ -95,6 +95,9 @@ class DistillSpec:
     alpha: float = 0.5
     temperature: float = 1.0
     hidden_weight: float = 0.0  # > 0: also match the teacher's residual stream after every layer (same depth, width)
+    # > 0: the KL over the teacher's top k next tokens plus the rest of its mass, the teacher's top k of each block
+    # computed once and reused on later epochs (tlm_train.teacher_cache); 0: the whole-vocabulary KL every step
+    teacher_topk: int = 0
 
 
 @dataclass
@@ -319,6 +322,12 @@ def _check_semantics(r: Recipe) -> list[str]:
             errors.append(f"distill.temperature: must be > 0, got {r.distill.temperature}")
         if r.distill.hidden_weight < 0:
             errors.append(f"distill.hidden_weight: must be >= 0, got {r.distill.hidden_weight}")
+        if r.distill.teacher_topk < 0:
+            errors.append(f"distill.teacher_topk: must be >= 0 (0: the whole-vocabulary KL), got "
+                          f"{r.distill.teacher_topk}")
+        if r.distill.teacher_topk > 0 and r.distill.hidden_weight > 0:
+            errors.append("distill.teacher_topk caches the teacher's logits only, distill.hidden_weight needs its "
+                          "residual streams every step: set one of them to 0")
     if r.train.trainable is not None and (not r.train.trainable or not all(r.train.trainable)):
         errors.append(f"train.trainable: expected a non-empty list of parameter-name patterns or null (all train), "
                       f"got {r.train.trainable}")

@@ -52,8 +52,9 @@ from tlm_convert.perplexity import nll_sum
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
-from .losses import head_loss
+from .losses import head_loss, teacher_topk
 from .recipe import Recipe, RecipeError
+from .teacher_cache import TeacherTopCache
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +425,11 @@ class _Run:
                 raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth and width: "
                                  f"{shape(teacher.config)} layers x hidden against {shape(model.config)}; "
                                  "set distill.hidden_weight: 0")
+            if r.distill.teacher_topk > model.config.vocab_size:
+                raise TrainError(f"distill.teacher_topk {r.distill.teacher_topk} is more than the vocabulary "
+                                 f"({model.config.vocab_size}); lower it")
             self.teacher = teacher.to(d.device).eval().requires_grad_(False)
+        self.teacher_cache = TeacherTopCache() if r.distill is not None and r.distill.teacher_topk else None
         self._load_data()
         self.fingerprint = _fingerprint(model, r, d.world)
         self.model = self._wrap(model)
@@ -684,15 +689,27 @@ class _Run:
         # logits_to_keep=1: the student's head runs on the last position only (unused); hidden_states[-1] is the
         # final normed state the head reads
         out = self.forward(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        head = _unwrap(self.model).get_output_embeddings().weight
+        if self.teacher_cache is not None:
+            top = self.teacher_cache.top(ids, self._teacher_top)
+            return head_loss(out.hidden_states[-1], head, ids, teacher_top=top, kd_weight=d.alpha,
+                             lm_weight=1 - d.alpha, temperature=d.temperature)
         with torch.no_grad():
             teacher_out = self.teacher.model(input_ids=ids, use_cache=False, output_hidden_states=hidden or None)
-        loss = head_loss(out.hidden_states[-1], _unwrap(self.model).get_output_embeddings().weight, ids,
+        loss = head_loss(out.hidden_states[-1], head, ids,
                          teacher_hidden=teacher_out.last_hidden_state,
                          teacher_head=self.teacher.get_output_embeddings().weight,
                          kd_weight=d.alpha, lm_weight=1 - d.alpha, temperature=d.temperature)
         if hidden:
             loss = loss + d.alpha * d.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
         return loss
+
+    @torch.no_grad()
+    def _teacher_top(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k (indices, log-probabilities) of ids (M, S), each (M, S - 1, k)."""
+        d = self.recipe.distill
+        hidden = self.teacher.model(input_ids=ids, use_cache=False).last_hidden_state
+        return teacher_topk(hidden, self.teacher.get_output_embeddings().weight, d.teacher_topk, d.temperature)
 
     @torch.no_grad()
     def evaluate(self) -> float:
