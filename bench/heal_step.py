@@ -1,8 +1,8 @@
-"""The heal step near the limit: plain training, the heal with the whole-logit KL and the heal with the chunked KL,
-side by side, with tokens/s, peak RSS and where each step's time goes (issue 26, item 3).
+"""The heal step near the limit: plain training, the heal with the whole-logit KL, with the chunked KL and with the
+cached teacher top-k, side by side, with tokens/s, peak RSS and where each step's time goes (issue 26, item 3).
 
-Variants, each one optimizer step of the heal recipe (tlm_convert.heal.HEAL_RECIPE: batch 4 x --seq-len tokens,
-AdamW lr 1e-4 without weight decay, gradient clipping 1.0, KL at the recipe's temperature and alpha; bf16 autocast
+Variants, each one optimizer step of the heal recipe (tlm_convert.heal.HEAL_RECIPE: --batch blocks of --seq-len
+tokens in micro-batches of --micro, the recipe's trainable parameters unless --all-trainable, AdamW lr 1e-4 without weight decay, gradient clipping 1.0, KL at the recipe's temperature and alpha; bf16 autocast
 where tlm_train.trainer.bf16_is_fast, else fp32) on random tokens:
 
     plain         the ``tlm train`` step without a teacher: whole logits, next-token cross entropy
@@ -58,7 +58,7 @@ sys.path.insert(0, str(HERE.parent))
 from tlm_convert.heal import HEAL_RECIPE  # noqa: E402
 from tlm_train.losses import HEAD_CHUNK, head_loss, teacher_topk  # noqa: E402
 from tlm_train.recipe import OptimSpec  # noqa: E402
-from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss  # noqa: E402
+from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss, select_trainable  # noqa: E402
 
 VARIANTS = ("plain", "heal_full", "heal_chunked", "heal_topk")
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
@@ -79,9 +79,9 @@ def tiny_model(vocab: int, seed: int):
     return TLMForCausalLM(config)
 
 
-def build(model: str, quick: bool):
+def build(model: str, quick: bool, all_trainable: bool = False):
     """(student in train mode, frozen teacher): the source model twice (the step's cost does not need a TLM
-    conversion), or two tiny random models."""
+    conversion), or two tiny random models; the student's trainable parameters those of the heal recipe (or all)."""
     if quick:
         vocab = 4096 if model == "gemma3-270m" else 1024
         student, teacher = tiny_model(vocab, 0), tiny_model(vocab, 1)
@@ -90,6 +90,8 @@ def build(model: str, quick: bool):
 
         student, _, _ = load_model(model, with_tokenizer=False)
         teacher = copy.deepcopy(student)
+    if HEAL_RECIPE["train"]["trainable"] and not all_trainable:
+        select_trainable(student, HEAL_RECIPE["train"]["trainable"])
     return student.train(), teacher.eval().requires_grad_(False)
 
 
@@ -121,20 +123,39 @@ def cached_top(teacher, ids: torch.Tensor, bf16: bool, k: int):
         return teacher_topk(h_t, teacher.lm_head.weight, k, HEAL_RECIPE["distill"]["temperature"])
 
 
-def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chunk: int, top=None) -> dict:
-    """One optimizer step of ``variant`` (see the module docstring); its loss and phase times. ``top``: the cached
-    teacher top-k of ids (heal_topk)."""
+def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chunk: int, top=None,
+         micro: int | None = None) -> dict:
+    """One optimizer step of ``variant`` (see the module docstring) over the blocks of ids (B, S), in micro-batches
+    of ``micro`` blocks (gradients accumulated, as the trainer's grad_accum); its mean loss and phase times.
+    ``top``: the cached teacher top-k of ids (heal_topk)."""
+    timer = Timer()
+    micro = micro or ids.shape[0]
+    parts = range(0, ids.shape[0], micro)
+    total = 0.0
+    for i in parts:
+        part_top = None if top is None else tuple(t[i:i + micro] for t in top)
+        total += micro_step(variant, student, teacher, ids[i:i + micro], bf16, chunk, part_top, timer, len(parts))
+    with timer("optimizer"):
+        torch.nn.utils.clip_grad_norm_(student.parameters(), HEAL_RECIPE["optim"]["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"loss": total, "wall": timer.wall, "cpu": timer.cpu}
+
+
+def micro_step(variant: str, student, teacher, ids: torch.Tensor, bf16: bool, chunk: int, top, timer: Timer,
+               accum: int) -> float:
+    """Forward, loss and backward of one micro-batch (the loss scaled by 1 / accum); the unscaled loss."""
     d = HEAL_RECIPE["distill"]
     alpha, t = d["alpha"], d["temperature"]
-    timer = Timer()
+    head = student.get_output_embeddings().weight
     with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
         if variant == "heal_topk":  # a later epoch of a heal with distill.teacher_topk
             with timer("student_forward"):
                 h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
                             logits_to_keep=1).hidden_states[-1]
             with timer("loss"):
-                loss = head_loss(h, student.lm_head.weight, ids, teacher_top=top, kd_weight=alpha,
-                                 lm_weight=1 - alpha, temperature=t, chunk=chunk)
+                loss = head_loss(h, head, ids, teacher_top=top, kd_weight=alpha, lm_weight=1 - alpha,
+                                 temperature=t, chunk=chunk)
         elif variant == "heal_chunked":  # as tlm_train.trainer._Run takes it
             with timer("student_forward"):
                 h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
@@ -142,9 +163,8 @@ def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chu
             with timer("teacher_forward"), torch.no_grad():
                 h_t = teacher.model(input_ids=ids, use_cache=False).last_hidden_state
             with timer("loss"):
-                loss = head_loss(h, student.lm_head.weight, ids, teacher_hidden=h_t,
-                                 teacher_head=teacher.lm_head.weight, kd_weight=alpha, lm_weight=1 - alpha,
-                                 temperature=t, chunk=chunk)
+                loss = head_loss(h, head, ids, teacher_hidden=h_t, teacher_head=teacher.lm_head.weight,
+                                 kd_weight=alpha, lm_weight=1 - alpha, temperature=t, chunk=chunk)
         else:
             with timer("student_forward"):
                 logits = student(input_ids=ids, use_cache=False).logits  # (B, S, V)
@@ -160,12 +180,8 @@ def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chu
                 del target
             del logits
         with timer("backward"):
-            loss.backward()
-    with timer("optimizer"):
-        torch.nn.utils.clip_grad_norm_(student.parameters(), HEAL_RECIPE["optim"]["grad_clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "wall": timer.wall, "cpu": timer.cpu}
+            (loss / accum).backward()
+    return float(loss.detach()) / accum
 
 
 def random_ids(vocab: int, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -188,16 +204,16 @@ def summarize(steps: list[dict], tokens: int) -> dict:
 
 
 def side_by_side(model: str, args, bf16: bool) -> dict:
-    student, teacher = build(model, args.quick)
+    student, teacher = build(model, args.quick, args.all_trainable)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
     top = cached_top(teacher, ids, bf16, args.topk)
     runs = {v: [] for v in VARIANTS}
     for v in VARIANTS:  # untimed: allocator, AdamW state, oneDNN kernels
-        step(v, student, teacher, opt, ids, bf16, args.chunk, top)
+        step(v, student, teacher, opt, ids, bf16, args.chunk, top, args.micro)
     for i in range(args.steps):
         for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            runs[v].append(step(v, student, teacher, opt, ids, bf16, args.chunk, top))
+            runs[v].append(step(v, student, teacher, opt, ids, bf16, args.chunk, top, args.micro))
             print(f"{model} {v}: {sum(runs[v][-1]['wall'].values()):.2f} s", flush=True)
     tokens = args.batch * args.seq_len
     out = {v: summarize(runs[v], tokens) for v in VARIANTS}
@@ -221,13 +237,13 @@ def mem_available_gb() -> float:
 
 def child_rss(variant: str, model: str, args, bf16: bool) -> dict:
     """In a fresh process: the peak RSS of --rss-steps steps of ``variant``, models and optimizer state included."""
-    student, teacher = build(model, args.quick)
+    student, teacher = build(model, args.quick, args.all_trainable)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
     top = cached_top(teacher, ids, bf16, args.topk) if variant == "heal_topk" else None  # the cache, before the mark
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk, top) for _ in range(args.rss_steps)]
+    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk, top, args.micro) for _ in range(args.rss_steps)]
     import resource
 
     return {"peak_rss_mb": round(_status_kb("VmHWM") / 1024), "rss_before_steps_mb": round(before / 1024),
@@ -266,7 +282,8 @@ def run_child(argv: list[str], limit_gb: float) -> dict:
 
 
 def _child_argv(args, model: str, variant: str) -> list[str]:
-    argv = ["--child", variant, "--model", model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+    argv = ["--child", variant, "--model", model, "--batch", str(args.batch), "--micro", str(args.micro),
+            "--seq-len", str(args.seq_len)] + (["--all-trainable"] if args.all_trainable else []) + [
             "--rss-steps", str(args.rss_steps), "--chunk", str(args.chunk), "--threads", str(args.threads),
             "--topk", str(args.topk)]
     return argv + (["--quick"] if args.quick else [])
@@ -341,7 +358,12 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="smollm2-135m", help="student and teacher (a built-in name or checkpoint)")
     ap.add_argument("--gemma", action="store_true", help="also Gemma 3 270M's heal_chunked peak RSS")
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=HEAL_RECIPE["train"]["batch_size"])
+    ap.add_argument("--batch", type=int, default=HEAL_RECIPE["train"]["batch_size"] * HEAL_RECIPE["train"]["grad_accum"],
+                    help="blocks a step [the heal recipe's]")
+    ap.add_argument("--micro", type=int, default=HEAL_RECIPE["train"]["batch_size"],
+                    help="blocks a micro-batch [the heal recipe's]")
+    ap.add_argument("--all-trainable", action="store_true",
+                    help="train every parameter [the heal recipe's train.trainable]")
     ap.add_argument("--steps", type=int, default=3, help="timed rounds (one step of every variant each)")
     ap.add_argument("--rss-steps", type=int, default=2, help="steps of each peak-RSS subprocess")
     ap.add_argument("--chunk", type=int, default=HEAD_CHUNK, help="positions per chunk of the chunked loss")
@@ -357,6 +379,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.seq_len = QUICK_SHAPES["batch"], QUICK_SHAPES["seq_len"]
+        args.micro = min(args.micro, args.batch)
         args.steps, args.rss_steps = min(args.steps, 2), 1
     return args
 
@@ -375,7 +398,8 @@ def main(argv=None) -> None:
     wall, cpu, cpu_children = time.perf_counter(), time.process_time(), os.times()
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "threads": args.threads, "precision": "bf16" if bf16 else "fp32", "bf16_is_fast": bf16_is_fast("cpu"),
-              "batch": args.batch, "seq_len": args.seq_len, "chunk": args.chunk, "topk": args.topk, "quick": args.quick,
+              "batch": args.batch, "micro_batch": args.micro,
+              "trainable": "all" if args.all_trainable else HEAL_RECIPE["train"]["trainable"], "seq_len": args.seq_len, "chunk": args.chunk, "topk": args.topk, "quick": args.quick,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": os.getloadavg()}
     if args.sweep:
         result["sweep"] = sweep(args)

@@ -285,7 +285,8 @@ def test_a_heal_with_the_cached_top_k_of_the_whole_vocabulary_takes_the_same_ste
     monkeypatch.setattr(trainer_module, "TeacherTopCache", Recording)
     full = _heal(tmp_path, "full", first, teacher, text)
     assert not caches
-    cached = _heal(tmp_path, "cached", first, teacher, text, teacher_topk=256)
+    vocab = load_pretrained(str(teacher.final_dir), with_tokenizer=False)[0].config.vocab_size
+    cached = _heal(tmp_path, "cached", first, teacher, text, teacher_topk=vocab)
     assert cached.losses == pytest.approx(full.losses, rel=1e-5)
     (cache,) = caches
     assert cache.misses == len(cache) and cache.hits + cache.misses == 12 * 4 and cache.hits > cache.misses
