@@ -1,28 +1,40 @@
-"""GPU readiness check (issue 12): what only a GPU shows, in one command that ends within its time budget.
+"""GPU readiness check (issues 12 and 26): what only a GPU shows, in one command that ends within its time budget.
 
     bash bench/gpu_check.sh                 # on a GPU machine: budget 450 s (under 8 minutes with start-up)
     bash bench/gpu_check.sh --dry           # on CPU: tiny shapes, a few steps, seconds (the default tests run it)
 
-1. Training throughput of the 435M recipes (recipes/scratch/gpu/<mixer>-<schedule>.yaml: their model config, micro
+1. Convert and heal (first; 290 s of the budget at most): ``tlm-convert smollm2-135m --device cuda --eval-data
+   all-eval`` in-process (tlm_convert.convert.convert); its wall time less the evaluation phase against the CPU
+   figure recorded in bench/results/convert_time.json (the default conversion without evaluation, in-process; not
+   rerun here: it takes over 7 minutes), and its peak GPU memory. Then the ``--heal-tokens`` heal of the converted
+   model (tlm_convert.heal.heal_recipe: HEAL_RECIPE, teacher = the source, the calibration sources as heal text,
+   through tlm_train.trainer.train) in bf16 with a batch of 16 x 512 tokens (the recipe's 4 x 512 leaves a 135M
+   model's steps launch-bound on a GPU; lr unchanged) for 180 s of wall time (``--heal-s``; trainer set-up, steps
+   and checkpoint writes), in 3 parts: each is stopped through the trainer's STOP file, its checkpoint is
+   evaluated on every bundled set as the conversion report evaluates (the first 16,384 tokens in 512-token
+   blocks), and the next part resumes it. Per point (0 = right after the conversion): tokens, epochs of the heal
+   text, tokens/s of the steps (metrics.jsonl windows: no set-up, no checkpoint write) and of the wall time, the
+   part's peak GPU memory, and the perplexity ratio to the source of each set with the geometric mean over the
+   out-of-domain sets (fiction, code, legal, encyclopedic).
+2. Training throughput of the 435M recipes (recipes/scratch/gpu/<mixer>-<schedule>.yaml: their model config, micro
    batch and seq_len; vocabulary 32,000 = their Llama-2 tokenizer, not downloaded) for the four mixers, uniform and
-   cosine-tapered: one step = forward + ``lm_loss`` + backward + AdamW (fused on CUDA), bf16 autocast with fp32
-   master weights as ``tlm train`` does, on random token ids. Each config runs eager first, then under
-   ``torch.compile`` (the whole model, as ``train.compile: true`` does); tokens/s = tokens per step / median
-   step time (CUDA synchronized), at least ``--min-steps`` timed steps after the warm-up ones.
+   cosine-tapered, in the time section 1 left: one step = forward + ``lm_loss`` + backward + AdamW (fused on CUDA),
+   bf16 autocast with fp32 master weights as ``tlm train`` does, on random token ids. Each config runs eager
+   first, then under ``torch.compile`` (the whole model, as ``train.compile: true`` does); tokens/s = tokens per
+   step / median step time (CUDA synchronized), at least ``--min-steps`` timed steps after the warm-up ones.
    MFU = tokens/s x model FLOPs per token / the GPU's dense bf16 peak, with the PaLM count
    6 N + 12 L d S (N: parameters doing matmuls, i.e. without the embedding table but with the LM head; L layers,
    d attention width, S seq_len), the same formula for every mixer (what a mixer computes beyond attention is not
-   counted). Peak GPU memory = ``torch.cuda.max_memory_allocated`` of each phase.
-2. ``tlm-convert smollm2-135m --device cuda`` wall time (the default conversion, no evaluation), against the CPU
-   figure recorded in bench/results/convert_time.json (not rerun here: it takes over 7 minutes).
+   counted). Peak GPU memory = ``torch.cuda.max_memory_allocated`` of each phase (reset before each).
 
-The configs run one after another in a worker process; each has a share of the budget, and a config that passes
-it (a compile that does not finish, a hang) is stopped and reported as such, so the whole check ends on time and
-every figure it could take is printed. ``--dry``: CPU, a tiny model per config, 2 steps, torch.compile with the
-``eager`` backend for the cosine configs (dynamo traces each mixer; no code generation), a tiny random Llama
-converted on CPU.
-Prints a markdown table and one JSON line; writes ``--out`` (bench/results/gpu_check.json; dry: a temp file).
+Each section runs in a worker process with a share of the budget; one that passes it (a compile that does not
+finish, a hang) is stopped and reported as such, so the whole check ends on time and every figure it could take
+is printed. ``--dry``: CPU; a tiny random Llama converted, evaluated and healed for 6 s; a tiny model per
+throughput config, 2 steps, torch.compile with the ``eager`` backend for the cosine configs (dynamo traces each
+mixer; no code generation).
+Prints markdown tables and one JSON line; writes ``--out`` (bench/results/gpu_check.json; dry: a temp file).
 """
+
 
 from __future__ import annotations
 
