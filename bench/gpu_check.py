@@ -189,13 +189,13 @@ def worker(spec_path: str) -> None:
 # ============================================================================================== convert + heal (worker)
 
 
-def heal_spec(dry: bool, device: str, budget_s: float, heal_s: float, batch: int | None, work: str) -> dict:
-    """The convert-and-heal section: SmolLM2-135M on the GPU (dry: a tiny random Llama on the CPU, seconds)."""
-    from tlm_convert.heal import HEAL_RECIPE
-
-    return {"name": "convert+heal", "kind": "heal", "dry": dry, "device": device, "budget_s": budget_s,
+def heal_spec(dry: bool, device: str, deadline: float, heal_s: float, batch: int | None, work: str) -> dict:
+    """The convert-and-heal section: SmolLM2-135M on the GPU (dry: a tiny random Llama on the CPU, seconds);
+    ``deadline``: the time.monotonic() (system-wide) at which the parent stops the worker; ``batch`` None: the
+    recipe's in the dry run, :data:`HEAL_BATCH` on the GPU."""
+    return {"name": "convert+heal", "kind": "heal", "dry": dry, "device": device, "deadline": deadline,
             "heal_s": heal_s, "work": work, "points": HEAL_POINTS,
-            "batch": batch or (HEAL_RECIPE["train"]["batch_size"] if dry else HEAL_BATCH),
+            "batch": batch or (None if dry else HEAL_BATCH),
             "reserve_s": 10.0 if dry else 30.0,  # the evaluations after each point and the clean-up
             "options": DRY_CONVERT if dry else {}}
 
@@ -213,16 +213,17 @@ def measure_heal(spec: dict):
 
     from tlm_convert.convert import SAMPLES_FILE, ConvertOptions, convert
     from tlm_convert.evalsets import eval_set_blocks
-    from tlm_convert.heal import heal_data, heal_recipe, healed_entries
+    from tlm_convert.heal import HEAL_RECIPE, heal_data, heal_recipe, healed_entries
     from tlm_convert.load import load_model
     from tlm_convert.perplexity import perplexity
     from tlm_train.trainer import STOP_FILE, list_checkpoints, train
 
-    end = time.monotonic() + spec["budget_s"]  # the parent stops this worker then
+    end = spec["deadline"]  # the parent stops this worker then (CLOCK_MONOTONIC: the same in every process)
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     work = Path(spec["work"])
-    base = {"section": "heal", "batch": spec["batch"]}
+    batch = spec["batch"] or HEAL_RECIPE["train"]["batch_size"]
+    base = {"section": "heal", "batch": batch}
 
     def sync():
         if cuda:
@@ -270,7 +271,7 @@ def measure_heal(spec: dict):
         return
     samples = out / SAMPLES_FILE
     data = heal_data(report["calibration_data"], samples if samples.is_file() else None, work / "heal-data.txt")
-    overrides = [f"train.batch_size={spec['batch']}"] + (["train.precision=bf16"] if cuda else [])
+    overrides = [f"train.batch_size={batch}"] + (["train.precision=bf16"] if cuda else [])
     run_dir = work / "train"
     recipe = heal_recipe(str(out), source, data, HEAL_MAX_TOKENS, str(run_dir), opts.seq_len, opts.seed,
                          spec["device"], overrides=tuple(overrides), cache_dir=str(work / "tokens"))
@@ -281,6 +282,7 @@ def measure_heal(spec: dict):
         left = heal_s * k / spec["points"] - heal_wall  # this part's share: the heal's wall time at point k
         stop = threading.Timer(max(left, 0.0), _touch_stop, (run_dir,))
         reset_peak()
+        start_mem = round(torch.cuda.memory_allocated(device) / 2**30, 2) if cuda else None  # left over: ~0
         sync()
         start = time.perf_counter()
         stop.start()
@@ -291,6 +293,7 @@ def measure_heal(spec: dict):
             return
         finally:
             stop.cancel()
+            stop.join()  # a STOP file it was writing is there before it is removed below
         sync()
         heal_wall += time.perf_counter() - start
         peak = peak_gb()
@@ -308,7 +311,7 @@ def measure_heal(spec: dict):
         yield {**base, "point": k, "status": "ok", "tokens": tokens, "steps": step, "precision": precision,
                "epochs": round(tokens / train_tokens["train_tokens"], 3), "heal_wall_s": round(heal_wall, 1),
                "loop_s": round(loop, 1), "tokens_per_s": round(seg_tokens / seg_s) if seg_s else None,
-               "tokens_per_s_wall": round(tokens / heal_wall), "peak_mem_gb": peak,
+               "tokens_per_s_wall": round(tokens / heal_wall), "peak_mem_gb": peak, "start_mem_gb": start_mem,
                "last_loss": result.losses[-1] if result.losses else None,
                "eval_s": round(time.perf_counter() - eval_start, 1),
                **ood(healed_entries(report, healed)["perplexity_sets"], "healed_ratio")}
@@ -413,9 +416,10 @@ def convert_and_heal(dry: bool, device: str, budget_s: float, heal_s: float, bat
     """(the conversion's entry, the heal's entry) of the convert+heal section, run in a worker process stopped
     past ``budget_s`` (what it measured until then is kept); its work folder is removed in any case."""
     work = tempfile.mkdtemp(prefix="gpu_check_heal-")
-    spec = heal_spec(dry, device, budget_s, heal_s, batch, work)
+    deadline = time.monotonic() + budget_s  # the worker's start-up included
+    spec = heal_spec(dry, device, deadline, heal_s, batch, work)
     try:
-        events = run_configs([spec], [budget_s], time.monotonic() + budget_s + 60, env)
+        events = run_configs([spec], [budget_s], deadline, env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     stopped = [e["status"] for e in events if "section" not in e]  # the worker stopped or failed
@@ -429,7 +433,7 @@ def convert_and_heal(dry: bool, device: str, budget_s: float, heal_s: float, bat
     settings = {k: v for e in events if e.get("section") == "heal" for k, v in e.items() if k in HEAL_SETTINGS}
     bad = [p["status"] for p in points if p["status"] != "ok"] + stopped
     heal = {"source": source, "teacher": source, "recipe": "tlm_convert.heal.HEAL_RECIPE",
-            "budget_s": heal_s, **settings, "status": bad[-1] if bad else "ok", "points": points}
+            "requested_s": heal_s, **settings, "status": bad[-1] if bad else "ok", "points": points}
     return conv, heal
 
 
@@ -474,11 +478,11 @@ def markdown(results: list[dict], conv: dict, heal: dict, info: dict) -> str:
     sets = [name for name in next((p["ratios"] for p in heal["points"] if "ratios" in p), {})]
     rows.append(f"heal of the converted model from {heal['teacher']} ({heal['recipe']}, tlm_train.trainer.train; "
                 f"batch {heal.get('batch', '-')} x {heal.get('seq_len', '-')}, lr {heal.get('lr', '-')}, "
-                f"{heal.get('precision') or '-'}; {heal.get('planned_s', heal['budget_s'])} s of wall time; "
+                f"{heal.get('precision') or '-'}; {heal.get('planned_s', heal['requested_s'])} s of wall time; "
                 f"OOD = geometric mean of the perplexity ratios to the source over the out-of-domain sets): "
                 f"{heal['status']}")
-    rows.append("| point | heal wall s | step s | tokens | epochs | tokens/s (steps) | tokens/s (wall) | peak GB | "
-                "OOD ratio | " + " | ".join(sets) + " | status |")
+    rows.append("| " + " | ".join(["point", "heal wall s", "step s", "tokens", "epochs", "tokens/s (steps)",
+                                   "tokens/s (wall)", "peak GB", "OOD ratio", *sets, "status"]) + " |")
     rows.append("|---" * (10 + len(sets)) + "|")
     for p in heal["points"]:
         cells = [p["point"], p.get("heal_wall_s", "-"), p.get("loop_s", "-"), f"{p['tokens']:,}" if "tokens" in p
@@ -531,7 +535,7 @@ def main(argv=None) -> int:
     heal_s = args.heal_s if args.heal_s is not None else (DRY_HEAL_S if dry else HEAL_S)
     if args.skip_convert:
         conv = {"command": "-", "status": "skipped", "wall_s": None, "cpu_wall_s_recorded": None, "cpu_recorded": "-"}
-        heal = {"teacher": "-", "recipe": "-", "budget_s": 0, "status": "skipped", "points": []}
+        heal = {"teacher": "-", "recipe": "-", "requested_s": 0, "status": "skipped", "points": []}
     else:  # first: the throughput configs then get whatever time it leaves
         section = min(DRY_HEAL_SECTION_S if dry else HEAL_SECTION_S, 0.65 * budget)
         conv, heal = convert_and_heal(dry, str(device), section, heal_s, args.heal_batch, env)

@@ -53,7 +53,7 @@ def test_dry_check_measures_every_mixer_both_schedules_the_conversion_and_the_he
 def check_heal(heal: dict, stdout: str) -> None:
     """The dry heal: the recipe's batch, point 0 from the conversion, then 3 timed parts, each evaluated."""
     assert heal["status"] == "ok" and heal["batch"] == 4 and heal["seq_len"] == 32 and heal["lr"] == 1e-4
-    assert heal["planned_s"] == heal["budget_s"] == 6.0
+    assert heal["planned_s"] == heal["requested_s"] == 6.0
     points = heal["points"]
     assert [p["point"] for p in points] == [0, 1, 2, 3] and all(p["status"] == "ok" for p in points)
     assert points[0]["tokens"] == 0 and points[0]["heal_wall_s"] == 0
