@@ -226,7 +226,7 @@ def measure_heal(spec: dict):
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     work = Path(spec["work"])
-    batch = spec["batch"] or HEAL_RECIPE["train"]["batch_size"]
+    batch = spec["batch"] or HEAL_RECIPE["train"]["batch_size"] * HEAL_RECIPE["train"]["grad_accum"]
     base = {"section": "heal", "batch": batch}
 
     def sync():
@@ -275,7 +275,7 @@ def measure_heal(spec: dict):
         return
     samples = out / SAMPLES_FILE
     data = heal_data(report["calibration_data"], samples if samples.is_file() else None, work / "heal-data.txt")
-    overrides = [f"train.batch_size={batch}"] + (["train.precision=bf16"] if cuda else [])
+    overrides = [f"train.batch_size={batch}", "train.grad_accum=1"] + (["train.precision=bf16"] if cuda else [])
     run_dir = work / "train"
     recipe = heal_recipe(str(out), source, data, HEAL_MAX_TOKENS, str(run_dir), opts.seq_len, opts.seed,
                          spec["device"], overrides=tuple(overrides), cache_dir=str(work / "tokens"))
