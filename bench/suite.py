@@ -364,12 +364,18 @@ def stamp(path: Path, name: str, extra: list[str]) -> None:
 def run_wrapped(name: str, extra: list[str]) -> Path:
     """``quality`` and ``heal-curve``: the script writes its own file (under bench/results/quality/); the suite
     stamps the envelope on it and, for heal curves, redraws the picture."""
+    if name == "quality" and (not extra or extra[0].startswith("-")):
+        raise SuiteError("quality needs the row's NAME first: python -m bench quality NAME [quality_ablation options]")
+    if name == "heal-curve" and not ("--out" in extra and extra.index("--out") + 1 < len(extra)
+                                     and extra[extra.index("--out") + 1].startswith("bench/results/quality/")):
+        raise SuiteError("heal-curve needs --out bench/results/quality/heal_NAME.json (the report reads heal curves "
+                         "there)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run(script_command(BENCHMARKS[name], False, extra), check=True, cwd=ROOT, env=env)
     if name == "quality":
         path = RESULTS / "quality" / f"{extra[0]}.json"
     else:
-        path = ROOT / extra[extra.index("--out") + 1] if "--out" in extra else ROOT / "bench/results/heal_curve.json"
+        path = ROOT / extra[extra.index("--out") + 1]
     stamp(path, name, extra)
     if name == "heal-curve":
         from bench import report
