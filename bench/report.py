@@ -47,13 +47,18 @@ class ReportError(ValueError):
     """A result file that cannot be reported (names the file and what is wrong)."""
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository root where it is under it (messages)."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
 def load(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ReportError(f"{path.relative_to(ROOT)}: not JSON ({err}); fix or remove the file") from None
+        raise ReportError(f"{shown(path)}: not JSON ({err}); fix or remove the file") from None
     if data.get("quick"):
-        raise ReportError(f"{path.relative_to(ROOT)} is a --quick smoke test, not a measurement; rerun it without "
+        raise ReportError(f"{shown(path)} is a --quick smoke test, not a measurement; rerun it without "
                           "--quick or remove it")
     return data
 
@@ -102,7 +107,7 @@ def quality_files() -> tuple[list[tuple[Path, dict]], list[tuple[Path, dict]]]:
         elif "sets" in data and "ood_geomean" in data:
             rows.append((path, data))
         elif path.name != "source.json":
-            raise ReportError(f"{path.relative_to(ROOT)}: neither a quality row (sets, ood_geomean) nor a heal "
+            raise ReportError(f"{shown(path)}: neither a quality row (sets, ood_geomean) nor a heal "
                               "curve (points); see bench/README.md 'Result files'")
     first = lambda item: (not item[1].get("default"), item[0].name)  # noqa: E731
     return sorted(rows, key=first), sorted(curves, key=first)
@@ -176,10 +181,10 @@ def envelopes() -> list[tuple[Path, dict]]:
     for path in sorted(RESULTS.glob("*.json")):
         data = load(path)
         if "benchmark" not in data or "tables" not in data:
-            raise ReportError(f"{path.relative_to(ROOT)}: no 'benchmark'/'tables' keys; write it with "
+            raise ReportError(f"{shown(path)}: no 'benchmark'/'tables' keys; write it with "
                               "`python -m bench NAME` or see bench/README.md 'Result files'")
         if data.get("topic") not in TOPICS:
-            raise ReportError(f"{path.relative_to(ROOT)}: topic {data.get('topic')!r} is not one of {list(TOPICS)}")
+            raise ReportError(f"{shown(path)}: topic {data.get('topic')!r} is not one of {list(TOPICS)}")
         found.append((path, data))
     order = list(BENCHMARKS)
     return sorted(found, key=lambda item: (list(TOPICS).index(item[1]["topic"]),
