@@ -1,0 +1,1 @@
+"""The benchmark suite (``python -m bench``); see bench/README.md."""

@@ -1,0 +1,111 @@
+"""The benchmark suite (``python -m bench``): RESULTS.md and the README table are what the result files give, every
+benchmark's command line is one its script accepts, and the --quick paths run."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import report, suite
+from bench.convert_run import README_ARGS
+
+ROOT = Path(__file__).parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENVELOPE = {"benchmark", "topic", "title", "command", "machine", "torch", "threads", "date", "quick", "tables"}
+
+
+def bench(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=timeout)
+
+
+def test_committed_results_md_and_readme_table_are_what_the_result_files_give():
+    assert report.render() == (ROOT / "bench" / "RESULTS.md").read_text()
+    assert report.readme_text() == (ROOT / "README.md").read_text(encoding="utf-8")
+    assert bench("report", "--check").returncode == 0
+
+
+def test_results_md_is_short_and_every_section_names_its_command_and_machine():
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert text.count("\n") < 400
+    for section in re.split(r"\n### ", text)[1:]:
+        assert "command: `" in section and "machine: " in section, section.splitlines()[0]
+
+
+def test_every_file_under_bench_results_is_a_current_result_or_one_a_result_names():
+    named = set()
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert ENVELOPE <= set(data), (path.name, sorted(ENVELOPE - set(data)))
+        assert data["benchmark"] in suite.BENCHMARKS and data["topic"] in suite.TOPICS and not data["quick"]
+        assert suite.result_path(data["benchmark"]) == path
+        named |= set(re.findall(r"bench/results/[\w./-]+\.(?:png|jsonl)", json.dumps(data)))
+    named.add("bench/results/heal_curve.png")  # drawn from the heal curves, shown by the heal section
+    others = {p.relative_to(ROOT).as_posix() for p in (ROOT / "bench" / "results").rglob("*")
+              if p.is_file() and p.suffix != ".json"}
+    assert others <= named, sorted(others - named)
+
+
+def test_every_benchmark_runs_a_script_that_accepts_its_options():
+    for b in suite.BENCHMARKS.values():
+        script = ROOT / b.argv[0]
+        assert script.is_file(), b.name
+        source = script.read_text()
+        options = [a for a in [*b.argv[1:], *(b.quick or []), *([b.out_flag] if b.out_flag else [])]
+                   if a.startswith("--") and a != "--"]
+        for option in options:
+            assert f'"{option}"' in source, (b.name, option)
+
+
+def test_the_demo_benchmark_runs_the_readmes_first_command():
+    first = (ROOT / "README.md").read_text(encoding="utf-8").split("```bash\n", 1)[1].splitlines()[0]
+    command = first.split("&& tlm-convert ", 1)[1].split()
+    assert [a for a in command if a not in ("-o", "out/smollm2-tlm", "--overwrite")] == README_ARGS
+
+
+@pytest.mark.parametrize("name", ["demo"])
+def test_quick_run_writes_one_result_file_the_report_refuses(name, tmp_path):
+    proc = bench(name, "--quick", "--results-dir", str(tmp_path), timeout=900)  # ~30 s on a quiet 2-core machine
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(tmp_path.iterdir())
+    assert files == [suite.result_path(name, tmp_path)]
+    data = json.loads(files[0].read_text())
+    assert ENVELOPE <= set(data) and data["quick"] is True and data["benchmark"] == name
+    assert data["command"] == f"python -m bench {name} --quick"
+    assert data["tables"] and all(t["rows"] and len(r) == len(t["columns"]) for t in data["tables"] for r in t["rows"])
+    with pytest.raises(report.ReportError, match="--quick smoke test"):
+        report.load(files[0])
+
+
+def test_a_benchmark_without_a_quick_mode_says_so_in_one_line():
+    for args in (["convert-time", "--quick"], ["quality", "--quick"], ["heal-curve", "runs/x", "--work", "w"]):
+        proc = bench(*args, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, args
+
+
+def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypatch):
+    quality = tmp_path / "quality"
+    quality.mkdir()
+    ratios = {"default-eval": 1.5, "eval-fiction": 1.2, "eval-code": 1.25}
+    row = {"name": "new_row", "label": "a new row", "command": "python bench/quality_ablation.py new_row",
+           "machine": "test", "sets": {k: {"before": 10.0, "after": 10 * v, "ratio": v, "in_domain": k == "default-eval"}
+                                      for k, v in ratios.items()}, "ood_geomean": (1.2 * 1.25) ** 0.5}
+    curve = {"converted": "runs/q/new_row", "source_perplexity": {k: 10.0 for k in ratios}, "machine": "test",
+             "points": [{"tokens": 0, "ratio": ratios}, {"tokens": 4096, "ratio": {**ratios, "eval-code": 1.1},
+                                                         "cpu_seconds": 12.0, "wall_seconds": 13.0}]}
+    (quality / "new_row.json").write_text(json.dumps(row))
+    (quality / "heal_new_row.json").write_text(json.dumps(curve))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "QUALITY", quality)
+    monkeypatch.setattr(report, "HEAL_PNG", tmp_path / "none.png")
+    text = report.render()
+    assert "| a new row | 1.500 | 1.200 | 1.250 | **x1.225** |" in text
+    assert "| new_row | 4,096 | 1.500 | 1.200 | 1.100 | **x1.149** | 12 | 13 |" in text
+    assert "command: `python bench/quality_ablation.py new_row`" in text
+    (quality / "stray.json").write_text("{}")
+    with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
+        report.render()
