@@ -159,9 +159,26 @@ def train_overhead_tables(raw: dict) -> list[dict]:
 
 def heal_step_tables(raw: dict) -> list[dict]:
     tables = []
+    shape = f"{raw.get('batch')} x {raw.get('seq_len')} tokens a step, micro-batch {raw.get('micro_batch', raw.get('batch'))}"
     for model, m in raw.get("models", {}).items():
-        rows = [[variant, _r(t.get("tokens_per_s"), 1), _r(t.get("step_s"), 2)] for variant, t in m["timing"].items()]
-        tables.append(table(f"{model}: one heal-recipe step", ["variant", "tokens/s", "step s"], rows))
+        peaks = m.get("peak_rss", {})
+        rows = []
+        for variant, t in m.get("timing", {}).items():
+            share = t.get("wall_share", {})
+            rows.append([variant, _r(t.get("tokens_per_s"), 1), _r(t.get("vs_plain"), 3), _r(t.get("median_wall_s"), 2),
+                         _r(t.get("median_cpu_s"), 2), peaks.get(variant, {}).get("peak_rss_mb"),
+                         " / ".join(f"{round(100 * share.get(k, 0))}" for k in
+                                    ("teacher_forward", "student_forward", "loss", "backward", "optimizer"))])
+        if rows:
+            tables.append(table(f"{model}: one heal step side by side ({shape}, trainable: {raw.get('trainable', 'all')})",
+                                ["variant", "tokens/s", "vs plain", "median step wall s", "median step CPU s",
+                                 "peak RSS MB", "wall % teacher fwd / student fwd / loss / backward / optimizer"],
+                                rows))
+        elif peaks:
+            tables.append(table(f"{model}: peak RSS of the heal step ({shape})", ["variant", "status", "peak RSS MB"],
+                                [[v, r.get("status"), r.get("peak_rss_mb")] for v, r in peaks.items()]))
+    for extra in raw.get("extra_tables", []):
+        tables.append(extra)
     if raw.get("sweep"):
         rows = [[f"{r['head']} {r['hidden']} x {r['vocab']:,}", r["chunk"], r["status"], _r(r.get("median_cpu_s"), 2),
                  _r(r.get("median_wall_s"), 1), r.get("peak_above_inputs_mb")] for r in raw["sweep"]]
