@@ -47,6 +47,7 @@ from .archs import (
     tlm_state_dict_from_hf,
 )
 from .errors import ConversionError, first_few, one_line
+from .sizes import check_model_size
 
 # the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -460,6 +461,7 @@ def unsupported_error(model_type, architectures, where) -> ConversionError:
 
 def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     raw = read_json(path / "config.json")
+    check_model_size(raw, path / "config.json")  # before anything is built
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
@@ -708,6 +710,7 @@ def read_gguf_config(file: Path):
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise unsupported_error(hf_config.model_type, None, file)
+    check_model_size(hf_config.to_dict(), file)  # GGUF block_count, embedding_length, ... before anything is built
     return hf_config
 
 

@@ -47,8 +47,10 @@ import torch.nn.functional as F
 
 from tlm.slow import SlowLevels
 from tlm_convert.errors import ConversionError
-from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
+from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+                                 publish, save_errors)
 from tlm_convert.perplexity import nll_sum
+from tlm_convert.sizes import check_model_size
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
@@ -59,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STOP_FILE = "STOP"
+# what a run writes into output_dir (its clean-up touches only the temporary / set-aside forms of _OUTPUTS)
+_OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|final"
+_OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
+          rf"tensorboard|{STOP_FILE}")
 
 
 class TrainError(RuntimeError):
@@ -153,6 +159,10 @@ def build_model_and_tokenizer(recipe: Recipe):
                               f"{len(tokenizer)} tokens; raise it or leave it out")
         if tokenizer.eos_token_id is not None:
             kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        try:
+            check_model_size(kwargs, "recipe", prefix="model.config.")  # before a module is built
+        except ConversionError as err:
+            raise RecipeError(str(err)) from None
         try:
             config = TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
                                multiple_of=recipe.model.multiple_of, **kwargs)
@@ -362,7 +372,9 @@ class _Run:
             try:
                 check_writable_parent(self.out.absolute(), option="output_dir")
                 lock = OutputLock(self.out, option="output_dir").acquire()
-                clean_stale_in(self.out)
+                check_run_folder(self.out, _OWNED, "output_dir", not_inside=getattr(self.recipe, "source", None))
+                mark_run_folder(self.out)
+                clean_stale_in(self.out, _OUTPUTS)
             except (ConversionError, OSError) as err:
                 problem = str(err)
         if self.d.any(problem is not None):
