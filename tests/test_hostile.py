@@ -218,3 +218,61 @@ def test_a_gguf_with_an_absurd_block_count_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", real)
     line = _one_error_line(_convert([tmp_path / "bomb.gguf", "-o", tmp_path / "out"]))
     assert "bomb.gguf" in line and "num_hidden_layers=10000000" in line, line
+
+
+# ============================================================================ readers: every bad file in one line
+
+
+def _edit_safetensors(source: Path, folder: Path, edit) -> Path:
+    """A copy of ``source`` whose model.safetensors header went through ``edit(header)`` (data bytes unchanged)."""
+    import shutil
+
+    shutil.copytree(source, folder)
+    file = folder / "model.safetensors"
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    text = edit(header)
+    text = (text if isinstance(text, str) else json.dumps(header)).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return folder
+
+
+def _norms(header) -> list[str]:
+    return sorted(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 1)
+
+
+def _alias(header):
+    a, b = _norms(header)[:2]
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+
+
+def _int_weight(header):
+    name = next(k for k, v in header.items() if k.endswith("proj.weight"))
+    header[name]["dtype"] = "I32"
+
+
+def _negative(header):
+    name = _norms(header)[0]
+    header[name]["shape"] = [-header[name]["shape"][0]]
+
+
+def _f8(header):
+    name = _norms(header)[0]
+    header[name]["dtype"], header[name]["shape"] = "F8_E4M3", [header[name]["shape"][0] * 4]
+
+
+def _deep(header):
+    rest = json.dumps(header)[1:]
+    return '{"__metadata__": ' + "[" * 200_000 + "]" * 200_000 + ", " + rest
+
+
+@pytest.mark.parametrize("edit, expected", [(_alias, "overlaps"), (_int_weight, "dtype I32"),
+                                            (_negative, "negative dimension"), (_f8, "dtype F8_E4M3"),
+                                            (_deep, "nested too deeply")])
+def test_a_hostile_safetensors_header_is_one_line(source, tmp_path, edit, expected):
+    src = _edit_safetensors(source, tmp_path / "src", edit)
+    before = _listing(src)
+    line = _one_error_line(_convert([src, "-o", tmp_path / "out"]))
+    assert expected in line and "model.safetensors" in line and "internal error" not in line, line
+    assert not (tmp_path / "out").exists() and _listing(src) == before
