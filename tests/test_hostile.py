@@ -276,3 +276,20 @@ def test_a_hostile_safetensors_header_is_one_line(source, tmp_path, edit, expect
     line = _one_error_line(_convert([src, "-o", tmp_path / "out"]))
     assert expected in line and "model.safetensors" in line and "internal error" not in line, line
     assert not (tmp_path / "out").exists() and _listing(src) == before
+
+
+# ============================================================================ resume
+
+
+def test_resume_with_a_changed_non_shape_setting_is_refused(tmp_path):
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, train={"max_steps": 3}))
+    assert _tlm(["train", path, "--no-progress"]).exit_code == 0
+    before = _listing(tmp_path / "run")
+    changed = _tiny_recipe(tmp_path, train={"max_steps": 6}, optim={"lr": 1e-2})
+    changed["model"]["config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, changed), "--no-progress", "--resume"]))
+    assert "different recipe" in line and "optim.lr" in line and "model.config.rope_parameters" in line, line
+    assert "train.max_steps" not in line  # what a resume may change
+    after = _listing(tmp_path / "run")
+    assert {k: v for k, v in after.items() if k != "recipe.yaml"} == {k: v for k, v in before.items()
+                                                                       if k != "recipe.yaml"}

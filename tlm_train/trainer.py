@@ -300,6 +300,23 @@ def _fingerprint(model, recipe: Recipe, world: int) -> dict:
             "skip_batches": recipe.data.skip_batches}
 
 
+# recipe keys a resume may change (the rest must equal the checkpoint's recipe.yaml)
+_RESUMABLE = ("output_dir", "log", "train.max_steps", "train.num_threads", "train.device", "train.compile",
+              "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers", "trust_remote_code")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """{'a.b': value} of a nested mapping."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
 
@@ -500,6 +517,27 @@ class _Run:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 
+    def _check_recipe(self, path: Path) -> None:
+        """Refuse a resume whose recipe changes the run (model config, data, optimizer, ...) beyond what a resume
+        may change (:data:`_RESUMABLE`: max_steps, logging, threads, caches); names the differing keys."""
+        import yaml
+
+        try:
+            theirs = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return  # a checkpoint of the first format, without its recipe: the fingerprint is all there is
+        if not isinstance(theirs, dict):
+            return
+        old, new = _flat(theirs), _flat(self.recipe.to_dict())
+        changed = sorted(k for k in old.keys() | new.keys()
+                         if old.get(k) != new.get(k) and not any(k == a or k.startswith(a + ".") for a in _RESUMABLE))
+        if changed:
+            from tlm_convert.errors import first_few
+
+            detail = first_few((f"{k}: {_brief(old.get(k))} -> {_brief(new.get(k))}" for k in changed), sep="; ")
+            raise TrainError(f"checkpoint {path} was written by a different recipe ({detail}); resume with the recipe "
+                             "it was written with (its recipe.yaml) or start a new output_dir")
+
     def _restore(self, path: Path) -> None:
         state = _read_trainer_state(path)
         theirs, ours = state.get("fingerprint", {}), self.fingerprint
@@ -509,6 +547,7 @@ class _Run:
                 raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "
                                  f"{_brief(theirs.get(key))} vs {_brief(ours[key])}); resume with the recipe it was "
                                  "written with (its recipe.yaml) or start a new output_dir")
+        self._check_recipe(path)
         self._check_data_position(path, state.get("data"))
         weights = _read_weights(path)
         core = _unwrap(self.model)
