@@ -47,6 +47,7 @@ from .archs import (
     tlm_state_dict_from_hf,
 )
 from .errors import ConversionError, first_few, one_line
+from .sizes import check_model_size
 
 # the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -139,6 +140,29 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "F8_E5M2": torch.float8_e5m2}
 
 
+# read (buffers such as position ids) but never taken as a weight: not float, or float without NaN checks in torch
+_UNREAD_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn,
+                  torch.float8_e5m2}
+
+
+def _dim(value) -> int:
+    """A header integer: a JSON int (not a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _check_spans(file, spans: list[tuple[int, int, str]]) -> None:
+    """Tensor data contiguous and non-overlapping, as the reference reader requires (no two names alias bytes)."""
+    last_end, last_name = 0, None
+    for start, end, name in sorted(spans):
+        if start < last_end:
+            raise corrupt_error(file, f"the data of {name} overlaps that of {last_name}")
+        if start > last_end:
+            raise corrupt_error(file, f"a gap of {start - last_end} bytes lies before the data of {name}")
+        last_end, last_name = end, name
+
+
 class SafetensorsFiles(TensorIndex):
     """name -> tensor of a set of safetensors files, each tensor read on access with plain file reads.
 
@@ -166,27 +190,34 @@ class SafetensorsFiles(TensorIndex):
                 raise ValueError("the header is not a JSON object")
         except FileNotFoundError:
             raise ConversionError(f"weights file '{file}' is missing; re-download the checkpoint") from None
+        except RecursionError:
+            raise corrupt_error(file, "the header is nested too deeply") from None
         except (OSError, ValueError) as err:
             raise corrupt_error(file, err) from None
+        spans = []
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             try:
                 dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-                shape = tuple(int(n) for n in info["shape"])
-                start, end = (int(n) for n in info["data_offsets"])
+                shape = tuple(_dim(n) for n in info["shape"])
+                start, end = (_dim(n) for n in info["data_offsets"])
             except (KeyError, TypeError, ValueError) as err:
                 raise corrupt_error(file, f"bad header entry for {name}: {one_line(err)}") from None
-            if dtype is None:
+            if dtype is None or (dtype in _UNREAD_DTYPES and name.endswith(".weight")):
                 raise ConversionError(f"tensor '{name}' in '{file}' has dtype {info['dtype']}, which tlm-convert does "
-                                      "not read; convert a bf16/fp16/fp32 checkpoint")
+                                      "not read as a weight; convert a bf16/fp16/fp32 checkpoint")
+            if any(n < 0 for n in shape):
+                raise corrupt_error(file, f"tensor {name} has a negative dimension {list(shape)}")
             nbytes = math.prod(shape) * dtype.itemsize
             if end - start != nbytes or start < 0 or 8 + length + end > size:
                 raise corrupt_error(file, f"the data of {name} lies outside the file")
             if name in self._where:
                 raise ConversionError(f"tensor '{name}' appears in both '{self._where[name][0]}' and '{file}'; the "
                                       "shards overlap, re-download the checkpoint")
+            spans.append((start, end, name))
             self._where[name] = (file, shape, (dtype, 8 + length + start, nbytes))
+        _check_spans(file, spans)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         file, shape, (dtype, offset, nbytes) = self._where[name]
@@ -214,6 +245,9 @@ def all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
 def prepare_tensor(name: str, tensor: torch.Tensor, file, dtype: torch.dtype | None,
                    check_finite: bool = True) -> torch.Tensor:
     """``tensor`` (named ``name``, read from ``file``) checked for NaN/Inf and cast to ``dtype`` (ConversionErrors)."""
+    if tensor.dtype in _UNREAD_DTYPES and (tensor.is_floating_point() or name.endswith(".weight")):
+        raise ConversionError(f"tensor '{name}' in '{file}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
+                              "which tlm-convert does not read as a weight; convert a bf16/fp16/fp32 checkpoint")
     if not tensor.is_floating_point():
         return tensor
     if check_finite and not all_finite(tensor):
@@ -460,6 +494,7 @@ def unsupported_error(model_type, architectures, where) -> ConversionError:
 
 def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     raw = read_json(path / "config.json")
+    check_model_size(raw, path / "config.json")  # before anything is built
     model_type = raw.get("model_type")
     if model_type == "tlm":
         return _load_tlm(path, dtype)
@@ -708,6 +743,7 @@ def read_gguf_config(file: Path):
                               "re-download it") from None
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise unsupported_error(hf_config.model_type, None, file)
+    check_model_size(hf_config.to_dict(), file)  # GGUF block_count, embedding_length, ... before anything is built
     return hf_config
 
 

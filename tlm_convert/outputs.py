@@ -188,7 +188,8 @@ class OutputLock:
     """
 
     def __init__(self, target: str | os.PathLike, option: str = "-o"):
-        self.target = Path(target).expanduser().absolute()
+        # resolved: two names of one folder (a symlink, "..") share one lock
+        self.target = Path(target).expanduser().resolve()
         self.path = self.target.parent / f".{self.target.name}.lock"
         self.option = option
         self.fd: int | None = None
@@ -196,9 +197,8 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -207,7 +207,7 @@ class OutputLock:
                 raise ConversionError(f"{self.target} is being written by another run ({holder}; lock "
                                       f"{self.path}); wait for it to finish or choose another {self.option}") from None
             try:  # a holder that was releasing may have unlinked the file we opened: lock the current one
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -218,6 +218,28 @@ class OutputLock:
                                  "command": " ".join(sys.argv)[:300]}).encode())
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened without following a symlink and refused unless it is a plain file of its own (no
+        other name links to it): a lock never truncates a file it did not create."""
+        import stat
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP or os.path.islink(self.path):
+                raise ConversionError(f"lock file {self.path} is a symbolic link, which is never followed; remove the "
+                                      f"link or choose another {self.option}") from None
+            raise ConversionError(f"cannot create the lock file {self.path}: {err.strerror or err}; choose another "
+                                  f"{self.option}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            os.close(fd)
+            what = "has other hard links" if stat.S_ISREG(info.st_mode) else "is not a plain file"
+            raise ConversionError(f"lock file {self.path} {what}, so it was not written; remove it or choose another "
+                                  f"{self.option}")
+        return fd
 
     def release(self) -> None:
         if self.fd is None:
@@ -259,36 +281,90 @@ def old_prefix(out: Path) -> str:
 def clean_stale(out: Path) -> list[Path]:
     """Remove the temporary and set-aside folders of dead runs into ``out``; call with ``out``'s lock held.
 
-    A ``.NAME.old-*`` folder with no ``out`` beside it is the complete previous output of a run killed between its
-    two renames: it is put back. Returns what was removed or restored."""
+    Only the exact names this module writes count (``.NAME.tmp-<mkdtemp suffix>``, ``.NAME.old-<pid>``, folders
+    only): a user's ``.NAME.tmp-notes`` file is left alone. A ``.NAME.old-<pid>`` folder with no ``out`` beside it is
+    the complete previous output of a run killed between its two renames: it is put back. Returns what was removed
+    or restored."""
     out = Path(out).absolute()
-    return _clean(out.parent, {out.name})
+    name = re.escape(out.name)
+    return _clean(out.parent, re.compile(rf"^\.(?P<target>{name})\.(?:(?P<tmp>tmp-[A-Za-z0-9_]+)|(?P<old>old-\d+))$"))
 
 
-def clean_stale_in(folder: Path) -> list[Path]:
-    """:func:`clean_stale` for every output inside ``folder`` (a training output_dir, whose lock is held)."""
-    return _clean(Path(folder).absolute(), None)
+def clean_stale_in(folder: Path, targets: str) -> list[Path]:
+    """:func:`clean_stale` inside ``folder`` (a training output_dir, whose lock is held) for the outputs whose names
+    match the regular expression ``targets`` (e.g. ``checkpoint-\\d+|final``), with the fixed temporary name
+    ``.NAME.tmp-train`` of the trainer. Nothing else in ``folder`` is touched."""
+    return _clean(Path(folder).absolute(),
+                  re.compile(rf"^\.(?P<target>{targets})\.(?:(?P<tmp>tmp-train)|(?P<old>old-\d+))$"))
 
 
-_STALE = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|old)(-[^/]*)?$")
-
-
-def _clean(folder: Path, targets: set[str] | None) -> list[Path]:
+def _clean(folder: Path, stale: re.Pattern) -> list[Path]:
     if not folder.is_dir():
         return []
     found = []
     for entry in sorted(folder.iterdir()):
-        match = _STALE.match(entry.name)
-        if match is None or (targets is not None and match["target"] not in targets):
+        match = stale.match(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir():  # this module only ever leaves folders
             continue
         out = folder / match["target"]
-        if match["kind"] == "old" and not os.path.lexists(out):
+        if match["old"] and not os.path.lexists(out):
             os.rename(entry, out)
             logger.warning("restored %s from %s (a run was killed while replacing it)", out, entry.name)
         else:
             _remove(entry)
         found.append(entry)
     return found
+
+
+# ============================================================================================== run folders
+
+RUN_MARKER = ".tlm-run"  # written first into a folder a run owns (a training output_dir)
+
+
+def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output_dir",
+                     not_inside: str | os.PathLike | None = None) -> None:
+    """Refuse a folder a run would write into and clean up unless it is new, empty, or a previous run's.
+
+    ``ours`` is a regular expression of the entry names such a run writes (its marker :data:`RUN_MARKER` always
+    counts). A folder with :data:`RUN_MARKER` is a previous run's; one without is accepted only when every entry
+    matches ``ours``. ``/``, the home folder and the folder of ``not_inside`` (the recipe file) are always refused."""
+    path = Path(folder).expanduser().absolute()
+    real = path.resolve()
+    if real == Path(real.anchor) or real == Path.home().resolve():
+        raise ConversionError(f"{option} {folder} is {'/' if real == Path(real.anchor) else 'the home folder'}, "
+                              f"which a run never writes into; choose a new folder for {option}")
+    if not_inside is not None and Path(not_inside).expanduser().resolve().parent == real:
+        raise ConversionError(f"{option} {folder} is the folder of the recipe {not_inside}, whose files a run would "
+                              f"overwrite; choose a new folder for {option}")
+    if not os.path.lexists(path):
+        return
+    if not real.is_dir():
+        raise ConversionError(f"{option} {folder} exists and is not a folder; remove it or choose another {option}")
+    try:
+        names = [entry.name for entry in real.iterdir()]
+    except OSError as err:
+        raise ConversionError(f"{option} {folder} cannot be read ({err.strerror or err}); choose another "
+                              f"{option}") from None
+    if RUN_MARKER in names:
+        return
+    pattern = re.compile(rf"^(?:{ours})$")
+    foreign = sorted(name for name in names if not pattern.match(name))
+    if foreign:
+        from .errors import first_few
+
+        raise ConversionError(f"{option} {folder} holds files a run did not write ({first_few(foreign)}), which it "
+                              f"could overwrite or clean up; choose a new or empty folder for {option}")
+
+
+def mark_run_folder(folder: str | os.PathLike) -> None:
+    """Create ``folder`` if needed and write :data:`RUN_MARKER` into it (what :func:`check_run_folder` trusts)."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / RUN_MARKER
+    if not marker.is_file() or marker.is_symlink():
+        if marker.is_symlink():
+            marker.unlink()
+        marker.write_text(json.dumps({"written_by": "tapered-lm", "pid": os.getpid(), "since": time.time()}) + "\n")
 
 
 def _remove(path: Path) -> None:
@@ -361,6 +437,6 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
+__all__ = ["OutputLock", "RUN_MARKER", "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

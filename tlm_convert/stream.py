@@ -58,6 +58,7 @@ from .checkpoint import (
 from .errors import ConversionError, first_few
 from .export import copy_tokenizer, write_generation_config
 from .perplexity import nll_sum
+from .sizes import check_model_size
 from .upcycle import carry_scores, upcycle_layer
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def open_stream(source, trust_remote_code: bool = False) -> StreamSource:
 
 def _open_folder(path: Path) -> StreamSource:
     raw = read_json(path / "config.json")
+    check_model_size(raw, path / "config.json")  # before anything is built
     kind, files = weight_files(path)
     tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []
     if raw.get("model_type") == "tlm":

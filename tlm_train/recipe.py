@@ -127,18 +127,46 @@ class Recipe:
 # ============================================================================================ loading and checks
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the base class names an unhashable key
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides and validate it (RecipeError lists every problem)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"recipe '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except _DuplicateKey as err:
+        raise RecipeError(f"recipe '{path}': {err}; keep one of them (a later one would silently replace the "
+                          "first)") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"recipe '{path}' is not valid YAML{where}; fix the syntax") from None
-    return recipe_from_dict(data if data is not None else {}, overrides, name=str(path))
+    recipe = recipe_from_dict(data if data is not None else {}, overrides, name=str(path))
+    recipe.source = str(path)  # not a recipe key: lets a run refuse an output_dir that is the recipe's own folder
+    return recipe
 
 
 def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), name: str = "recipe") -> Recipe:

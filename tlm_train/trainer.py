@@ -47,8 +47,10 @@ import torch.nn.functional as F
 
 from tlm.slow import SlowLevels
 from tlm_convert.errors import ConversionError
-from tlm_convert.outputs import OutputLock, check_writable_parent, clean_stale_in, publish, save_errors
+from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+                                 publish, save_errors)
 from tlm_convert.perplexity import nll_sum
+from tlm_convert.sizes import check_model_size
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
@@ -60,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STOP_FILE = "STOP"
+# what a run writes into output_dir (its clean-up touches only the temporary / set-aside forms of _OUTPUTS)
+_OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|final"
+_OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
+          rf"tensorboard|{STOP_FILE}")
 
 
 class TrainError(RuntimeError):
@@ -154,6 +160,10 @@ def build_model_and_tokenizer(recipe: Recipe):
                               f"{len(tokenizer)} tokens; raise it or leave it out")
         if tokenizer.eos_token_id is not None:
             kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        try:
+            check_model_size(kwargs, "recipe", prefix="model.config.")  # before a module is built
+        except ConversionError as err:
+            raise RecipeError(str(err)) from None
         try:
             config = TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
                                multiple_of=recipe.model.multiple_of, **kwargs)
@@ -291,6 +301,23 @@ def _fingerprint(model, recipe: Recipe, world: int) -> dict:
             "skip_batches": recipe.data.skip_batches}
 
 
+# recipe keys a resume may change (the rest must equal the checkpoint's recipe.yaml)
+_RESUMABLE = ("output_dir", "log", "train.max_steps", "train.num_threads", "train.device", "train.compile",
+              "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers", "trust_remote_code")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """{'a.b': value} of a nested mapping."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
 
@@ -363,7 +390,9 @@ class _Run:
             try:
                 check_writable_parent(self.out.absolute(), option="output_dir")
                 lock = OutputLock(self.out, option="output_dir").acquire()
-                clean_stale_in(self.out)
+                check_run_folder(self.out, _OWNED, "output_dir", not_inside=getattr(self.recipe, "source", None))
+                mark_run_folder(self.out)
+                clean_stale_in(self.out, _OUTPUTS)
             except (ConversionError, OSError) as err:
                 problem = str(err)
         if self.d.any(problem is not None):
@@ -493,6 +522,27 @@ class _Run:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 
+    def _check_recipe(self, path: Path) -> None:
+        """Refuse a resume whose recipe changes the run (model config, data, optimizer, ...) beyond what a resume
+        may change (:data:`_RESUMABLE`: max_steps, logging, threads, caches); names the differing keys."""
+        import yaml
+
+        try:
+            theirs = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return  # a checkpoint of the first format, without its recipe: the fingerprint is all there is
+        if not isinstance(theirs, dict):
+            return
+        old, new = _flat(theirs), _flat(self.recipe.to_dict())
+        changed = sorted(k for k in old.keys() | new.keys()
+                         if old.get(k) != new.get(k) and not any(k == a or k.startswith(a + ".") for a in _RESUMABLE))
+        if changed:
+            from tlm_convert.errors import first_few
+
+            detail = first_few((f"{k}: {_brief(old.get(k))} -> {_brief(new.get(k))}" for k in changed), sep="; ")
+            raise TrainError(f"checkpoint {path} was written by a different recipe ({detail}); resume with the recipe "
+                             "it was written with (its recipe.yaml) or start a new output_dir")
+
     def _restore(self, path: Path) -> None:
         state = _read_trainer_state(path)
         theirs, ours = state.get("fingerprint", {}), self.fingerprint
@@ -502,6 +552,7 @@ class _Run:
                 raise TrainError(f"checkpoint {path} does not match this recipe ({what} differ: "
                                  f"{_brief(theirs.get(key))} vs {_brief(ours[key])}); resume with the recipe it was "
                                  "written with (its recipe.yaml) or start a new output_dir")
+        self._check_recipe(path)
         self._check_data_position(path, state.get("data"))
         weights = _read_weights(path)
         core = _unwrap(self.model)

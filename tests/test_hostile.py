@@ -1,0 +1,295 @@
+"""Hostile and careless users (issue 25): each case a tiny, fast, offline test.
+
+A run owns only what it wrote (a training output_dir is refused unless new, empty or a previous run's; its clean-up
+touches exact names only), locks follow no symlink and two names of one folder share one lock, sizes are checked
+before memory is allocated, and every bad input file is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import yaml
+from test_faults import _convert, _one_error_line, _tiny_recipe, _tlm, _write_recipe
+from tiny_sources import make_source, tiny_tokenizer
+
+from tlm_convert.errors import ConversionError
+from tlm_convert.outputs import OutputLock, clean_stale, clean_stale_in
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_source(tmp_path_factory.mktemp("hostile") / "llama", "llama", tokenizer=tiny_tokenizer())
+
+
+def _listing(folder: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+# ============================================================================ a training folder owns what it wrote
+
+
+def _users_folder(folder: Path) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".notes.tmp").write_text("my notes")
+    (folder / ".cache.tmp-abc").mkdir()
+    (folder / ".cache.tmp-abc" / "x").write_text("cached")
+    (folder / ".build.old").mkdir()
+    (folder / ".env.old").write_text("SECRET=1")
+    return _listing(folder)
+
+
+def test_train_refuses_a_users_folder_and_touches_nothing_in_it(tmp_path):
+    before = _users_folder(tmp_path / "mine")
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, "mine"))
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "holds files a run did not write" in line and "output_dir" in line, line
+    assert _listing(tmp_path / "mine") == before
+
+
+def test_train_refuses_the_recipes_own_folder(tmp_path):
+    recipe = tmp_path / "proj"
+    recipe.mkdir()
+    path = _write_recipe(recipe, _tiny_recipe(tmp_path, "proj"), name="recipe.yaml")
+    before = path.read_bytes()
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "folder of the recipe" in line, line
+    assert path.read_bytes() == before and sorted(p.name for p in recipe.iterdir()) == ["recipe.yaml"]
+
+
+@pytest.mark.parametrize("where", ["/", "~"])
+def test_train_refuses_root_and_home(tmp_path, where, monkeypatch):
+    if where == "~":
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        (tmp_path / "home").mkdir()
+    recipe = _tiny_recipe(tmp_path)
+    recipe["output_dir"] = os.path.expanduser(where)
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress"]))
+    assert "never writes into" in line, line
+    if where == "~":
+        assert sorted(p.name for p in (tmp_path / "home").iterdir()) == []
+
+
+def test_training_clean_up_removes_only_its_own_stale_entries(tmp_path):
+    before = _users_folder(tmp_path)
+    (tmp_path / ".checkpoint-3.tmp-train").mkdir()  # a run killed while saving checkpoint-3
+    (tmp_path / ".final.old-77").mkdir()  # ... or between the two renames of final/
+    (tmp_path / ".final.old-77" / "config.json").write_text("{}")
+    (tmp_path / ".checkpoint-4.tmp-train").write_text("a file, not what a run leaves")
+    found = clean_stale_in(tmp_path, r"checkpoint-\d+|final")
+    assert sorted(p.name for p in found) == [".checkpoint-3.tmp-train", ".final.old-77"]
+    assert (tmp_path / "final" / "config.json").is_file()
+    after = _listing(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert (tmp_path / ".checkpoint-4.tmp-train").is_file()
+
+
+def test_convert_clean_up_leaves_a_users_look_alike_file(tmp_path):
+    (tmp_path / ".out.tmp-notes").write_text("mine")  # a file: a run only ever leaves folders
+    (tmp_path / ".out.old-env").mkdir()  # not a pid
+    clean_stale(tmp_path / "out")
+    assert (tmp_path / ".out.tmp-notes").read_text() == "mine" and (tmp_path / ".out.old-env").is_dir()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_previous_run_is_still_resumable(tmp_path):
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, train={"max_steps": 3}))
+    assert _tlm(["train", path, "--no-progress"]).exit_code == 0
+    (tmp_path / "run" / "my-notes.txt").write_text("the folder is ours now; a user file inside is left alone")
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, train={"max_steps": 6}))
+    res = _tlm(["train", path, "--no-progress", "--resume"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "run" / "my-notes.txt").is_file() and (tmp_path / "run" / ".tlm-run").is_file()
+
+
+# ============================================================================ locks
+
+
+def test_a_lock_file_symlink_is_never_followed(source, tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("do not touch")
+    (tmp_path / ".out.lock").symlink_to(precious)
+    line = _one_error_line(_convert([source, "-o", tmp_path / "out"]))
+    assert "symbolic link" in line and ".out.lock" in line, line
+    assert precious.read_text() == "do not touch" and (tmp_path / ".out.lock").is_symlink()
+
+
+def test_a_hard_linked_lock_file_is_not_truncated(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("do not touch")
+    os.link(precious, tmp_path / ".out.lock")
+    with pytest.raises(ConversionError, match="hard links"):
+        OutputLock(tmp_path / "out").acquire()
+    assert precious.read_text() == "do not touch"
+
+
+def test_two_names_of_one_folder_share_one_lock(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    with OutputLock(tmp_path / "real" / "out"):
+        with pytest.raises(ConversionError, match="being written by another run"):
+            OutputLock(tmp_path / "alias" / "out").acquire()
+        with pytest.raises(ConversionError, match="being written by another run"):
+            OutputLock(tmp_path / "real" / "x" / ".." / "out").acquire()
+
+
+def test_a_lock_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConversionError, match="cannot create the lock file .* choose another -o"):
+        OutputLock(tmp_path / "file" / "sub" / "out").acquire()
+
+
+# ============================================================================ recipes
+
+
+def test_a_duplicate_recipe_key_is_refused(tmp_path):
+    path = tmp_path / "r.yaml"
+    text = yaml.safe_dump(_tiny_recipe(tmp_path))
+    path.write_text(text + "optim:\n  lr: 0.1\n")
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "'optim' appears twice" in line and "r.yaml" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"output_dir: \xff\xfe\n")
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "r.yaml" in line and "UTF-8" in line, line
+
+
+# ============================================================================ sizes before memory
+
+
+def _with_config(source: Path, folder: Path, **fields) -> Path:
+    import shutil
+
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.mark.parametrize("fields", [{"num_hidden_layers": 10_000_000}, {"num_hidden_layers": 100_000},
+                                    {"hidden_size": 1 << 20}, {"vocab_size": 10**12},
+                                    {"intermediate_size": 60_000, "hidden_size": 60_000, "num_hidden_layers": 3000}])
+def test_an_absurd_source_config_is_refused_before_anything_is_built(source, tmp_path, fields):
+    import time
+
+    src = _with_config(source, tmp_path / "src", **fields)
+    t0 = time.perf_counter()
+    line = _one_error_line(_convert([src, "-o", tmp_path / "out"]))
+    assert time.perf_counter() - t0 < 20
+    assert "config.json" in line and any(f"{k}={v}" in line for k, v in fields.items()), line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields", [{"num_hidden_layers": 10_000_000}, {"hidden_size": 1048576}])
+def test_an_absurd_recipe_model_is_refused_before_anything_is_built(tmp_path, fields):
+    recipe = _tiny_recipe(tmp_path)
+    recipe["model"]["config"].update(fields)
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress"]))
+    key, value = next(iter(fields.items()))
+    assert f"model.config.{key}={value}" in line, line
+    assert not (tmp_path / "run" / "recipe.yaml").exists()
+
+
+def test_a_model_beyond_the_available_memory_is_refused(monkeypatch):
+    from tlm_convert import sizes
+
+    monkeypatch.setattr(sizes, "available_memory", lambda: 1 << 30)
+    cfg = {"num_hidden_layers": 64, "hidden_size": 8192, "intermediate_size": 28672, "vocab_size": 128256}
+    with pytest.raises(ConversionError, match="more than the 1.0 GiB of available memory"):
+        sizes.check_model_size(cfg, "config.json")
+    assert sizes.check_model_size({**cfg, "num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 100}, "x") > 0
+
+
+def test_a_gguf_with_an_absurd_block_count_is_refused(tmp_path, monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    from test_checkpoint import write_tiny_gguf
+
+    real = gguf.GGUFWriter.add_block_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, n: real(self, 10_000_000))
+    write_tiny_gguf(tmp_path / "bomb.gguf")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", real)
+    line = _one_error_line(_convert([tmp_path / "bomb.gguf", "-o", tmp_path / "out"]))
+    assert "bomb.gguf" in line and "num_hidden_layers=10000000" in line, line
+
+
+# ============================================================================ readers: every bad file in one line
+
+
+def _edit_safetensors(source: Path, folder: Path, edit) -> Path:
+    """A copy of ``source`` whose model.safetensors header went through ``edit(header)`` (data bytes unchanged)."""
+    import shutil
+
+    shutil.copytree(source, folder)
+    file = folder / "model.safetensors"
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    text = edit(header)
+    text = (text if isinstance(text, str) else json.dumps(header)).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return folder
+
+
+def _norms(header) -> list[str]:
+    return sorted(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 1)
+
+
+def _alias(header):
+    a, b = _norms(header)[:2]
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+
+
+def _int_weight(header):
+    name = next(k for k, v in header.items() if k.endswith("proj.weight"))
+    header[name]["dtype"] = "I32"
+
+
+def _negative(header):
+    name = _norms(header)[0]
+    header[name]["shape"] = [-header[name]["shape"][0]]
+
+
+def _f8(header):
+    name = _norms(header)[0]
+    header[name]["dtype"], header[name]["shape"] = "F8_E4M3", [header[name]["shape"][0] * 4]
+
+
+def _deep(header):
+    rest = json.dumps(header)[1:]
+    return '{"__metadata__": ' + "[" * 200_000 + "]" * 200_000 + ", " + rest
+
+
+@pytest.mark.parametrize("edit, expected", [(_alias, "overlaps"), (_int_weight, "dtype I32"),
+                                            (_negative, "negative dimension"), (_f8, "dtype F8_E4M3"),
+                                            (_deep, "nested too deeply")])
+def test_a_hostile_safetensors_header_is_one_line(source, tmp_path, edit, expected):
+    src = _edit_safetensors(source, tmp_path / "src", edit)
+    before = _listing(src)
+    line = _one_error_line(_convert([src, "-o", tmp_path / "out"]))
+    assert expected in line and "model.safetensors" in line and "internal error" not in line, line
+    assert not (tmp_path / "out").exists() and _listing(src) == before
+
+
+# ============================================================================ resume
+
+
+def test_resume_with_a_changed_non_shape_setting_is_refused(tmp_path):
+    path = _write_recipe(tmp_path, _tiny_recipe(tmp_path, train={"max_steps": 3}))
+    assert _tlm(["train", path, "--no-progress"]).exit_code == 0
+    before = _listing(tmp_path / "run")
+    changed = _tiny_recipe(tmp_path, train={"max_steps": 6}, optim={"lr": 1e-2})
+    changed["model"]["config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, changed), "--no-progress", "--resume"]))
+    assert "different recipe" in line and "optim.lr" in line and "model.config.rope_parameters" in line, line
+    assert "train.max_steps" not in line  # what a resume may change
+    after = _listing(tmp_path / "run")
+    assert {k: v for k, v in after.items() if k != "recipe.yaml"} == {k: v for k, v in before.items()
+                                                                       if k != "recipe.yaml"}
