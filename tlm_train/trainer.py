@@ -43,10 +43,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 import torch.nn.functional as F
 
 from tlm.slow import SlowLevels
-from tlm_convert.errors import ConversionError
+from tlm_convert.errors import ConversionError, first_few
 from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
                                  publish, save_errors)
 from tlm_convert.perplexity import nll_sum
@@ -55,7 +56,7 @@ from tlm_convert.sizes import check_model_size
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
 from .losses import head_loss, teacher_topk
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe, RecipeError, recipe_from_dict
 from .teacher_cache import TeacherTopCache
 
 logger = logging.getLogger(__name__)
@@ -524,21 +525,23 @@ class _Run:
 
     def _check_recipe(self, path: Path) -> None:
         """Refuse a resume whose recipe changes the run (model config, data, optimizer, ...) beyond what a resume
-        may change (:data:`_RESUMABLE`: max_steps, logging, threads, caches); names the differing keys."""
-        import yaml
-
+        may change (:data:`_RESUMABLE`: max_steps, logging, threads, caches); names the differing keys. The
+        checkpoint's recipe is read with today's defaults, so a key added to the format since it was written (at its
+        default) is no change."""
         try:
             theirs = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             return  # a checkpoint of the first format, without its recipe: the fingerprint is all there is
         if not isinstance(theirs, dict):
             return
+        try:
+            theirs = recipe_from_dict(theirs).to_dict()
+        except RecipeError:
+            pass  # compared as written
         old, new = _flat(theirs), _flat(self.recipe.to_dict())
         changed = sorted(k for k in old.keys() | new.keys()
                          if old.get(k) != new.get(k) and not any(k == a or k.startswith(a + ".") for a in _RESUMABLE))
         if changed:
-            from tlm_convert.errors import first_few
-
             detail = first_few((f"{k}: {_brief(old.get(k))} -> {_brief(new.get(k))}" for k in changed), sep="; ")
             raise TrainError(f"checkpoint {path} was written by a different recipe ({detail}); resume with the recipe "
                              "it was written with (its recipe.yaml) or start a new output_dir")
