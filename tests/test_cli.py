@@ -38,7 +38,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
     "--eval-tokens", "--export", "--grow-init", "--heal-tokens", "--help", "--importance", "--low-memory",
-    "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
+    "--max-hours", "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
     "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--token-weighting", "--trust-remote-code",
 ]
 
@@ -270,7 +270,7 @@ def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypa
     """A bug (not a ConversionError) raised after convert() started writing: one line, partial files removed."""
     import tlm_convert.convert as convert_module
 
-    def broken_convert(src, output, options, on_phase=None, on_layer=None):
+    def broken_convert(src, output, options, on_phase=None, on_layer=None, on_note=None):
         on_phase("load")
         out = Path(output)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def test_two_names_of_one_folder_share_one_lock(tmp_path):
 
 def test_a_lock_that_cannot_be_created_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConversionError, match="cannot create the lock file .* choose another -o"):
+    with pytest.raises(ConversionError, match="does not take new files .*lock file .* choose another -o"):
         OutputLock(tmp_path / "file" / "sub" / "out").acquire()
 
 
@@ -293,3 +294,197 @@ def test_resume_with_a_changed_non_shape_setting_is_refused(tmp_path):
     after = _listing(tmp_path / "run")
     assert {k: v for k, v in after.items() if k != "recipe.yaml"} == {k: v for k, v in before.items()
                                                                        if k != "recipe.yaml"}
+
+
+# ============================================================================ the rest of the issue's cases
+
+from test_faults import FAST  # noqa: E402
+from tiny_sources import DATA  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> Path:
+    """A source whose model has 100 embeddings beside the 320-token tokenizer."""
+    return make_source(tmp_path_factory.mktemp("vocab") / "small", "llama", tokenizer=tiny_tokenizer(), vocab_size=100)
+
+
+@pytest.mark.parametrize("args", [["convert", "-o", "{tmp}/out", *FAST],
+                                  ["convert", "-o", "{tmp}/out", *FAST[2:], "--calibration-data", "self"],
+                                  ["eval", "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"]],
+                         ids=["convert", "self-calibration", "eval"])
+def test_a_model_vocabulary_smaller_than_its_tokenizer_is_one_line(small_vocab, tmp_path, args):
+    cmd, *rest = args
+    line = _one_error_line(_tlm([cmd, small_vocab, *(a.replace("{tmp}", str(tmp_path)) for a in rest)]))
+    assert "tokenizer.json" in line and "beyond the 100 embeddings" in line and "model's own tokenizer" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> Path:
+    return make_source(tmp_path_factory.mktemp("gpt2") / "gpt2", "gpt2", tokenizer=tiny_tokenizer())  # n_positions 128
+
+
+@pytest.mark.parametrize("cmd", ["convert", "eval"])
+def test_a_sequence_longer_than_the_sources_positions_is_one_line(gpt2, tmp_path, cmd):
+    args = (["-o", tmp_path / "out", *FAST[:4], "--seq-len", "256", "--calibration-tokens", "512"] if cmd == "convert"
+            else ["--data", str(DATA), "--seq-len", "256"])
+    line = _one_error_line(_tlm([cmd, gpt2, *args]))
+    assert "--seq-len 256 is longer than the 128 positions" in line and "--seq-len 128 or less" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def _tokenizer_json(folder: Path) -> Path:
+    return folder / "tokenizer.json"
+
+
+def _unknown_type(folder):
+    data = json.loads(_tokenizer_json(folder).read_text())
+    data["model"]["type"] = "Frobnicate"
+    _tokenizer_json(folder).write_text(json.dumps(data))
+
+
+def _malformed(folder):
+    _tokenizer_json(folder).write_text('{"model": {')
+
+
+def _link(target):
+    def edit(folder):
+        _tokenizer_json(folder).unlink()
+        _tokenizer_json(folder).symlink_to(target)
+    return edit
+
+
+@pytest.mark.parametrize("edit, expected", [(_unknown_type, "model type 'Frobnicate'"), (_malformed, "is not valid JSON"),
+                                            (_link("/etc/passwd"), "is not valid JSON"),
+                                            (_link("/dev/zero"), "not a regular file")],
+                         ids=["unknown-type", "malformed", "etc-passwd", "dev-zero"])
+def test_a_hostile_tokenizer_json_is_one_line_naming_it(source, tmp_path, edit, expected):
+    import shutil
+    import time
+
+    src = Path(shutil.copytree(source, tmp_path / "src"))
+    edit(src)
+    t0 = time.perf_counter()
+    line = _one_error_line(_convert([src, "-o", tmp_path / "out", *FAST]))
+    assert time.perf_counter() - t0 < 30  # /dev/zero is never read
+    assert f"'{src / 'tokenizer.json'}'" in line and expected in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_token_cache_with_ids_beyond_the_vocabulary_is_refused_before_anything_is_written(tmp_path):
+    import numpy as np
+
+    recipe = _tiny_recipe(tmp_path)
+    assert _tlm(["tokenize", _write_recipe(tmp_path, recipe)]).exit_code == 0
+    (shard,) = (tmp_path / "cache").glob("*/shard-00000.bin")
+    ids = np.fromfile(shard, dtype=np.uint16)
+    ids[len(ids) // 2] = 300  # the byte tokenizer has 257 tokens
+    ids.tofile(shard)
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress"]))
+    assert "token cache" in line and str(shard.parent) in line and "token id 300" in line, line
+    assert "delete that cache folder" in line, line
+    assert not (tmp_path / "run").exists()  # no recipe.yaml, no marker: a new output_dir is not even created
+
+
+def test_a_heal_of_a_trillion_tokens_is_refused_after_its_first_steps(source, tmp_path):
+    line = _one_error_line(_convert([source, "-o", tmp_path / "out", *FAST, "--heal-tokens", "1000000000000"]))
+    assert line.startswith("error: heal: 3,906,250,000 steps of 256 tokens, about "), line
+    assert re.search(r" h at the rate of its first [3-9] steps", line), line  # refused a few steps in
+    assert "above the --max-hours 24 limit" in line and "lower --heal-tokens" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def test_self_calibration_of_a_trillion_tokens_is_refused_before_sampling(source, tmp_path):
+    line = _one_error_line(_convert([source, "-o", tmp_path / "out", *FAST[2:], "--calibration-data", "self",
+                                     "--calibration-tokens", "1000000000000"]))
+    assert "--calibration-tokens 1000000000000 needs about" in line and "available memory" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def test_self_calibration_above_the_time_limit_is_refused_with_its_estimate(source, tmp_path):
+    out = tmp_path / "out"
+    res = _convert([source, "-o", out, *FAST[2:], "--calibration-data", "self", "--calibration-tokens", "200000",
+                    "--max-hours", "0.0001"])
+    line = _one_error_line(res)
+    assert "self samples: 200,000 tokens, about" in line and "above the --max-hours 0.0001 limit" in line, line
+    assert "lower --calibration-tokens" in line and "--max-hours 0 (no limit)" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_seed_is_checked_against_its_range(source, tmp_path):
+    line = _one_error_line(_convert([source, "-o", tmp_path / "out", *FAST, "--seed", "10000000000000"]))
+    assert "--seed 10000000000000: must be in 0..4294967295" in line, line
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, _tiny_recipe(tmp_path, seed=10**13)),
+                                 "--no-progress"]))
+    assert "seed: must be in 0..4294967295" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_an_output_where_no_file_can_be_created_names_the_option(source):
+    line = _one_error_line(_convert([source, "-o", "/proc/x", *FAST]))
+    assert "cannot write /proc/x: its folder '/proc' does not take new files" in line and "another -o" in line, line
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_recipe_number_that_is_not_finite_names_its_key(tmp_path, value):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_tiny_recipe(tmp_path)).replace("lr: 0.003", f"lr: {value}"))
+    line = _one_error_line(_tlm(["train", path, "--no-progress"]))
+    assert "optim.lr: expected a finite number" in line and "r.yaml" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_onto_an_existing_folder_names_no_option_it_lacks(source, tmp_path):
+    (tmp_path / "out").mkdir()
+    line = _one_error_line(_tlm(["export", source, "--to", "tlm", "-o", tmp_path / "out"]))
+    assert "already exists" in line and "--overwrite" not in line and "choose another -o" in line, line
+
+
+def test_analyze_into_a_folder_under_a_file_fails_before_the_model_is_loaded(source, tmp_path, monkeypatch):
+    import tlm_convert.load
+
+    monkeypatch.setattr(tlm_convert.load, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "file").write_text("x")
+    line = _one_error_line(_tlm(["analyze", source, "--data", str(DATA), "-o", tmp_path / "file" / "sub"]))
+    assert "is a file, not a folder" in line and "choose another -o" in line, line
+
+
+# ============================================================================ signals: 143 with its one line
+
+
+def _sigterm_self_once(monkeypatch, owner, name):
+    """Make ``owner.name`` send this process SIGTERM the first time it is called (a real signal, in process)."""
+    import signal
+
+    real, sent = getattr(owner, name), []
+
+    def wrapper(*args, **kwargs):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def test_sigterm_during_calibration_exits_143_with_its_line(source, tmp_path, monkeypatch):
+    from tlm_convert import samples
+
+    _sigterm_self_once(monkeypatch, samples._Advance, "__call__")
+    res = _convert([source, "-o", tmp_path / "out", *FAST[2:], "--calibration-data", "self"])
+    assert res.exit_code == 143, res.output
+    line = _one_error_line(res)
+    assert "stopped by SIGTERM during sample" in line and "nothing was written" in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def test_sigterm_during_a_heal_exits_143_with_its_line(source, tmp_path, monkeypatch):
+    from tlm_train import trainer
+
+    _sigterm_self_once(monkeypatch, trainer._Run, "train_step")
+    res = _convert([source, "-o", tmp_path / "out", *FAST, "--heal-tokens", "1024"])
+    assert res.exit_code == 143, res.output
+    line = _one_error_line(res)
+    assert "stopped by SIGTERM during the heal" in line and "nothing was written" in line, line
+    assert not list(tmp_path.iterdir())

@@ -48,10 +48,14 @@ FAMILIES = {
 }
 
 
-def make_source(folder: Path, family: str = "llama", seed: int = 0, tokenizer=None) -> Path:
-    """Write a tiny random source model (every parameter perturbed) and tokenizer to ``folder``."""
+def make_source(folder: Path, family: str = "llama", seed: int = 0, tokenizer=None, **config) -> Path:
+    """Write a tiny random source model (every parameter perturbed) and tokenizer to ``folder``; ``config``: changes
+    of the family's config (e.g. ``vocab_size=100``)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=torch.float32).eval()
+    cfg = FAMILIES[family]()
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -160,6 +160,7 @@ class LayerSettings:
     reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
     reconstruct_lr: float = 1e-4
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
+    reconstruct_budget: object | None = None  # a tlm_convert.budget.Budget over every reconstruction epoch, or None
 
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, progress: bool = False) -> None:
@@ -367,8 +368,10 @@ class _LayerStep:
         the layer's output per batch."""
         with self.timer("resize"):
             self.resize(i, layer, plan)
+            budget = self.settings.reconstruct_budget
             history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
-                                      self.settings.reconstruct_lr, seed=self.seed + i)
+                                      self.settings.reconstruct_lr, seed=self.seed + i,
+                                      on_epoch=None if budget is None else budget.tick)
             logger.info("layer %d reconstruction: relative error %s", i, " -> ".join(f"{e:.4f}" for e in history))
             del targets
             return _consume(mixed, layer.feed_forward)

@@ -134,6 +134,8 @@ class TensorIndex(Mapping):
         return str(self._where[name][0])
 
 
+MAX_SAFETENSORS_HEADER = 100_000_000  # the reference reader's limit on the JSON header
+
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
@@ -185,6 +187,8 @@ class SafetensorsFiles(TensorIndex):
                 length = int.from_bytes(head, "little") if len(head) == 8 else -1
                 if not 0 < length <= size - 8:
                     raise ValueError("the header length does not fit the file")
+                if length > MAX_SAFETENSORS_HEADER:
+                    raise ValueError(f"a header of {length} bytes, above the {MAX_SAFETENSORS_HEADER} the format allows")
                 header = json.loads(f.read(length))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
@@ -310,10 +314,15 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                                      (BIN_INDEX, "pytorch_model.bin", "bin")):
         index = folder / index_name
         if index.is_file():
-            weight_map = read_json(index).get("weight_map")
+            weight_map = read_json(index, "weights index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"'{index}' has no weight_map; re-download the checkpoint")
-            shards = [folder / name for name in sorted(set(weight_map.values()))]
+            names = sorted({str(name) for name in weight_map.values()})
+            outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+            if outside:
+                raise ConversionError(f"'{index}' names a shard outside the model folder ({outside[0]!r}); a shard is "
+                                      "a file name in the folder: re-download the checkpoint")
+            shards = [folder / name for name in names]
             missing = [s.name for s in shards if not s.is_file()]
             if missing:
                 raise ConversionError(f"shard '{missing[0]}' listed in {index_name} is missing from '{folder}' "
@@ -328,14 +337,87 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
                           "or pytorch_model.bin); download the weights too")
 
 
-def read_json(file: Path) -> dict:
+MAX_JSON_BYTES = 64 << 20  # config.json, index and other JSON side files: real ones are kilobytes to a few MB
+MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer file: the largest real tokenizer.json is about 35 MB
+
+
+def read_bounded(file: str | os.PathLike, limit: int, what: str = "file") -> bytes:
+    """The bytes of ``file``, a regular file (a symlink is followed: its target is data too) of at most ``limit``
+    bytes, its size checked before anything is read. A pipe, device or socket in its place (which would block or
+    never end) and a larger file are ConversionErrors naming it; nothing is read from them."""
+    import stat
+
     try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"'{file}' is not valid JSON ({one_line(err)}); re-download or fix it") from None
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ConversionError(f"{what} '{file}' cannot be read ({err.strerror or one_line(err)}); check it or "
+                              "re-download it") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConversionError(f"{what} '{file}' is not a regular file (a device, pipe or socket), which is never "
+                                  "read; replace it with the real file")
+        if info.st_size > limit:
+            from .outputs import human_bytes
+
+            raise ConversionError(f"{what} '{file}' is {human_bytes(info.st_size)}, more than the "
+                                  f"{human_bytes(limit)} such a file can take; it is not a real one: re-download it")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as err:
+        raise ConversionError(f"{what} '{file}' cannot be read ({err.strerror or one_line(err)}); check it or "
+                              "re-download it") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:  # it grew while being read
+        raise ConversionError(f"{what} '{file}' is larger than the {limit >> 20} MiB such a file can take; "
+                              "re-download it")
+    return data
+
+
+def parse_json(data: bytes | str, file, what: str = "file", finite: bool = False):
+    """JSON text of ``file`` parsed; ``finite``: NaN and Infinity (which Python reads, JSON has not) are refused with
+    their key path. Malformed, non-UTF-8 or too deeply nested text is a ConversionError naming the file."""
+    try:
+        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except RecursionError:
+        raise ConversionError(f"{what} '{file}' is nested too deeply to be a real one; re-download or fix it") from None
+    except UnicodeDecodeError as err:
+        raise ConversionError(f"{what} '{file}' is not UTF-8 text (byte {err.start}); re-download or fix it") from None
+    except ValueError as err:
+        raise ConversionError(f"{what} '{file}' is not valid JSON ({one_line(err)}); re-download or fix it") from None
+    if finite:
+        bad = _non_finite(value)
+        if bad is not None:
+            raise ConversionError(f"{what} '{file}': {bad[0]} is {bad[1]}, not a number a model can use; fix {bad[0]}")
+    return value
+
+
+def _non_finite(value, path: str = "") -> tuple[str, float] | None:
+    """(key path, value) of the first NaN or infinite number in a parsed JSON value, None when there is none."""
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return where or "the value", item
+        if isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def read_json(file: Path, what: str = "file", finite: bool = False) -> dict:
+    """A JSON object from ``file``, read within :data:`MAX_JSON_BYTES` (:func:`read_bounded`, :func:`parse_json`)."""
+    data = parse_json(read_bounded(file, MAX_JSON_BYTES, what), file, what, finite)
     if not isinstance(data, dict):
-        raise ConversionError(f"'{file}' does not hold a JSON object; re-download or fix it")
+        raise ConversionError(f"{what} '{file}' does not hold a JSON object; re-download or fix it")
     return data
 
 
@@ -428,6 +510,9 @@ def locate(source: str | os.PathLike, download: bool = True) -> Path:
             raise ConversionError(f"'{path}' is a file but not a .gguf; pass the model folder (with config.json) "
                                   "or a .gguf file")
         path = path.parent
+    if os.path.lexists(path / "config.json") and not (path / "config.json").is_file():
+        raise ConversionError(f"'{path / 'config.json'}' is not a regular file (a device, pipe, socket or broken link), "
+                              "which is never read; replace it with the model's config.json")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -493,7 +578,7 @@ def unsupported_error(model_type, architectures, where) -> ConversionError:
 
 
 def _load_folder(path: Path, dtype: torch.dtype) -> Source:
-    raw = read_json(path / "config.json")
+    raw = read_json(path / "config.json", "model config", finite=True)
     check_model_size(raw, path / "config.json")  # before anything is built
     model_type = raw.get("model_type")
     if model_type == "tlm":

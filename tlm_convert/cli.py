@@ -6,17 +6,20 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import signal
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 from tlm import SCHEDULES
 
+from .budget import DEFAULT_MAX_HOURS
 from .checkpoint import resolve_builtin
 from .convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions
-from .errors import ConversionError, one_line
+from .errors import ConversionError, Stopped, one_line
 from .export import FORMATS
 from .importance import METRICS
 from .outputs import temp_prefix
@@ -36,12 +39,19 @@ def _message(err: BaseException) -> str:
     return one_line(err) or type(err).__name__
 
 
-def report_failure(err: BaseException) -> None:
+STOPPED_EXIT = {"SIGTERM": 143, "STOP": 143, "SIGINT": 130}  # 128 + signal number; the STOP file counts as SIGTERM
+
+
+def report_failure(err: BaseException, stopped: str = "nothing was written") -> None:
     """Print ``err`` as one ``error:`` line and exit non-zero (never a traceback, unless TLM_DEBUG is set).
 
     Expected failures (ConversionError, bad values, file-system errors) print their message; anything else is a
-    bug and says so, with the way to get the traceback.
+    bug and says so, with the way to get the traceback. A run stopped by a signal (:class:`Stopped`) says so, with
+    ``stopped`` (what became of its output), and exits 143 (SIGTERM) or 130 (SIGINT).
     """
+    if isinstance(err, Stopped):
+        during = f" during {err.during}" if err.during else ""
+        fail(f"stopped by {err.reason}{during}; {stopped}", code=STOPPED_EXIT.get(err.reason, 143))
     if isinstance(err, KeyboardInterrupt):
         fail("interrupted", code=130)
     if isinstance(err, (ConversionError, ValueError, OSError)):
@@ -50,6 +60,29 @@ def report_failure(err: BaseException) -> None:
         raise err
     fail(f"internal error: {type(err).__name__}: {_message(err)} (set {DEBUG_ENV}=1 for the traceback and please "
           "report it)")
+
+
+@contextmanager
+def stop_on_sigterm():
+    """While inside: SIGTERM raises :class:`Stopped` in the main thread (the command's clean-up runs and it prints one
+    line, exit 143) instead of ending the process silently; a second SIGTERM while stopping is ignored. A training run
+    installs its own handler (a checkpoint at the next step) and restores this one."""
+    fired = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise Stopped(signal.Signals(signum).name)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: the default stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -107,6 +140,10 @@ class _OneLineUsageError(click.ClickException):
 
 class OneLineCommand(click.Command):
     """click.Command whose usage errors are one line (click prints usage, a hint and the error otherwise)."""
+
+    def invoke(self, ctx):
+        with stop_on_sigterm():  # SIGTERM: the command's clean-up, one line, exit 143 (report_failure)
+            return super().invoke(ctx)
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
@@ -208,6 +245,10 @@ def _return_freed_memory() -> None:
 @click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
 @click.option("--heal-tokens", type=int, default=0, show_default=True,
               help="Then distil from the source for this many calibration tokens (tlm train; 0: no heal).")
+@click.option("--max-hours", type=float, default=DEFAULT_MAX_HOURS, show_default=True,
+              help="Refuse a long phase (self samples, --reconstruct-epochs, the heal) whose time, estimated at the "
+                   "rate of its first steps, is above this many hours; 0: no limit. Phases estimated above a minute "
+                   "are said aloud.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (atomically; never an input).")
 @click.option("--trust-remote-code", is_flag=True,
               help="Let the source's tokenizer run its own Python code (auto_map); only for sources you trust.")
@@ -227,13 +268,21 @@ def convert_main(input_model, output, export_format, **kwargs):
         options = ConvertOptions(export=export_format, **kwargs)
         _check_device(options.device)
         _return_freed_memory()
-        report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
+        report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer,
+                         on_note=_note)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()
         guard.cleanup()
-        report_failure(err)
+        if isinstance(err, Stopped) and err.during is None and bar.current:
+            err.during = bar.current
+        report_failure(err, stopped=f"nothing was written ({output} is as it was)")
     bar.close()
     _summary(report, output)
+
+
+def _note(text: str) -> None:
+    """What the conversion says aloud before a long phase (its estimated time), one ``note:`` line on stderr."""
+    click.echo(f"note: {one_line(text)}", err=True)
 
 
 class _PhaseBars:
@@ -290,4 +339,5 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
 
 
-__all__ = ["convert_main", "OneLineCommand", "fail", "quiet_libraries", "report_failure", "check_positive"]
+__all__ = ["convert_main", "OneLineCommand", "fail", "quiet_libraries", "report_failure", "check_positive",
+           "stop_on_sigterm", "STOPPED_EXIT"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import resource
 import time
@@ -29,13 +30,15 @@ from tlm import MIXERS, parse_ratio, taper_widths
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
 from .checkpoint import load_source
+from .budget import DEFAULT_MAX_HOURS, Limits
 from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
 from .export import FORMATS, export_model
 from .heal import check_heal, heal
 from .importance import METRICS, WHOLE_MODEL
-from .load import load_tokenizer, materialize
-from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
+from .load import check_positions, check_token_ids, load_tokenizer, materialize
+from .outputs import (OutputLock, check_free_space, check_output_given, check_output_path, clean_stale, output_bytes,
+                      save_errors, staged)
 from .perplexity import perplexity
 from .surgery import GROW_INITS
 from .reconstruct import TOKEN_WEIGHTINGS
@@ -49,6 +52,7 @@ MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps t
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
 DEFAULT_CALIBRATION = ("default", SELF)  # the bundled mix and the model's own samples, equal shares
+SEED_LIMIT = 1 << 32  # --seed 0 .. 2**32 - 1 (as a recipe's seed: the heal trains with it)
 SAMPLES_FILE = "calibration_samples.txt"  # in OUTPUT: the text ``self`` sampled (what the conversion saw)
 
 
@@ -79,6 +83,8 @@ class ConvertOptions:
     overwrite: bool = False
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
+    max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
+    # refused seconds into it (tlm_convert.budget); 0: no limit
 
     def layer_settings(self) -> LayerSettings:
         """What the layer loop (calibrate.convert_layers) takes from these options."""
@@ -110,6 +116,11 @@ class ConvertOptions:
         if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
             raise ConversionError(f"--export deci needs widths that are multiples of 256; --multiple-of "
                                   f"{self.multiple_of} is not (drop it, or use --export tlm)")
+        if not (isinstance(self.max_hours, (int, float)) and math.isfinite(self.max_hours) and self.max_hours >= 0):
+            raise ConversionError(f"--max-hours {self.max_hours}: must be 0 (no limit) or a positive number of hours")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ConversionError(f"--seed {self.seed}: must be in 0..{SEED_LIMIT - 1} (the range of NumPy's and "
+                                  "torch's seeds); pick a smaller seed")
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
@@ -171,14 +182,16 @@ class PhaseTimer:
 
 
 def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
-            on_layer=None) -> dict:
+            on_layer=None, on_note=None) -> dict:
     """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
 
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
     the whole run (a second run into it is refused); folders left by killed runs are cleaned (tlm_convert.outputs).
+    ``on_note(text)``: what is said aloud before a long phase (its estimated time, tlm_convert.budget).
     """
     opts = options or ConvertOptions()
     opts.validate()
+    check_output_given(output)
     out = Path(output)
     check_output_path(source, out, opts.overwrite)
     if opts.low_memory:
@@ -187,14 +200,15 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
         check_streamable(opts)
     with OutputLock(out):
         clean_stale(out)
-        return _convert(source, out, opts, on_phase, on_layer)
+        return _convert(source, out, opts, on_phase, on_layer, Limits(opts.max_hours or None, on_note))
 
 
-def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -> dict:
+def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, limits: Limits) -> dict:
     timer = PhaseTimer(on_phase)
     torch.manual_seed(opts.seed)
     with timer("load"):
         src = _open(source, opts)
+        check_positions(src.tlm_config, opts.seq_len, src.path)
         widths = plan_widths(src.tlm_config, opts)
         notes = resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
         tokenizer = load_tokenizer(src)
@@ -202,15 +216,24 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
         if model is not None:
             src.state_dict = {}  # the model holds these tensors now
         settings = opts.layer_settings()
+        shrinking = sum(w < s for w, s in zip(widths, src.tlm_config.intermediate_sizes))
+        if opts.reconstruct_epochs and shrinking:
+            settings.reconstruct_budget = limits.budget("layer reconstruction", opts.reconstruct_epochs * shrinking,
+                                                        "epochs", "lower --reconstruct-epochs")
         evalb = eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)  # None without sets
+        vocab = src.tlm_config.vocab_size
+        for name, blocks in (evalb or {}).items():
+            check_token_ids(blocks, vocab, f"evaluation data {name!r} (tokenized)")
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     calib = samples = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
     if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
+        check_calibration_memory(opts, src.tlm_config)  # before a token is sampled or a hidden state carried
         with timer("sample" if SELF in opts.calibration_data else "load"):
             calib, samples = calibration_blocks(tokenizer, opts.calibration_data, opts.seq_len,
                                                 opts.calibration_tokens, model, opts.seed,
-                                                progress=timer.on_phase is not None)
+                                                progress=timer.on_phase is not None, limits=limits)
+        check_token_ids(calib, src.tlm_config.vocab_size, "the calibration data (tokenized)")
     report = report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes) + notes
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
@@ -243,7 +266,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
             report["calibration_samples"] = {"file": SAMPLES_FILE, "blocks": len(samples)}
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
             final = heal(final, source, src, tmp, opts, evalb, report, timer,
-                         samples=None if samples is None else tmp / SAMPLES_FILE)
+                         samples=None if samples is None else tmp / SAMPLES_FILE, limits=limits)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 
@@ -305,6 +328,21 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
     with save_errors(out, need):
         _write_output(out, report, timer, write_model)
     return report
+
+
+def check_calibration_memory(opts: ConvertOptions, config) -> None:
+    """Refuse --calibration-tokens whose carried state cannot fit in memory, before any of it is made: per token its
+    id (8 bytes) and the hidden states the layer loop carries (fp32, two streams with the residual refit target)."""
+    from .outputs import human_bytes
+    from .sizes import available_memory
+
+    streams = 2 if opts.refit_target == "residual" else 1
+    need = opts.calibration_tokens * (8 + 4 * streams * config.hidden_size)
+    free = available_memory()
+    if need > free:
+        raise ConversionError(f"--calibration-tokens {opts.calibration_tokens} needs about {human_bytes(need)} for the "
+                              f"calibration's hidden states ({streams} x {config.hidden_size} fp32 a token), more than "
+                              f"the {human_bytes(free)} of available memory; lower --calibration-tokens")
 
 
 def plan_widths(config, opts: ConvertOptions) -> list[int]:
@@ -370,6 +408,6 @@ def rss_mb() -> float | None:
 
 
 __all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "resolve_importance", "report_head",
-           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
+           "PhaseTimer", "PHASES", "check_calibration_memory", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
            "SAMPLES_FILE"]
 

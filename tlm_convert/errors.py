@@ -34,4 +34,13 @@ class ConversionError(ValueError):
         super().__init__(one_line(message))
 
 
-__all__ = ["ConversionError", "first_few", "one_line"]
+class Stopped(KeyboardInterrupt):
+    """A run stopped by a signal or a STOP file before it finished: ``reason`` ("SIGTERM", "SIGINT", "STOP"),
+    ``during`` (the phase, when known). The command line prints one line and exits 128 + the signal number."""
+
+    def __init__(self, reason: str, during: str | None = None):
+        super().__init__(f"stopped by {reason}" + (f" during {during}" if during else ""))
+        self.reason, self.during = reason, during
+
+
+__all__ = ["ConversionError", "Stopped", "first_few", "one_line"]

@@ -112,14 +112,15 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
     ``weight_type``: f32 / f16 / bf16 (every format) or q8_0 (gguf only); default f32.
     """
     from .checkpoint import load_source
-    from .outputs import OutputLock, check_output_path, staged
+    from .outputs import OutputLock, check_output_given, check_output_path, staged
 
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
     if weight_type is not None and weight_type not in dtypes and not (fmt == "gguf" and weight_type == "q8_0"):
         raise ConversionError(f"weight type {weight_type!r} is not available for --to {fmt}; use one of "
                               f"{', '.join(dtypes)}{', q8_0' if fmt == 'gguf' else ''}")
+    check_output_given(out_dir)
     out = Path(out_dir)
-    check_output_path(model_path, out, overwrite=False)  # not the input, not inside or around it; writable
+    check_output_path(model_path, out, overwrite=False, overwrite_flag=None)  # not the input, nor around it
     src = load_source(model_path)
     state = src.state_dict
     if fmt != "gguf" and weight_type is not None:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .data import load_text
-from .errors import ConversionError
+from .errors import ConversionError, Stopped
 from .evalsets import geomean
 from .samples import SELF
 
@@ -124,12 +124,14 @@ def heal_data(sources: str | tuple[str, ...] | list[str], samples: Path | None, 
     return str(path)
 
 
-def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, samples: Path | None = None):
+def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, samples: Path | None = None,
+         limits=None):
     """Distil the converted ``model`` from ``teacher`` for ``opts.heal_tokens`` tokens inside ``tmp`` (the
     conversion's temporary folder); return the healed TLMForCausalLM. Adds ``report["heal"]`` and, with
     evaluation sets, each set's perplexity after healing. KeyboardInterrupt when the run was stopped (SIGINT,
     SIGTERM or a STOP file): OUTPUT is then left as it was. ``samples``: the text of the ``self`` calibration
-    source, when it is one."""
+    source, when it is one. ``limits``: a tlm_convert.budget.Limits: the heal's time, measured on its first steps,
+    is said aloud when long and refused above the limit (before the rest of the steps run)."""
     from tlm_train.recipe import RecipeError
     from tlm_train.trainer import TrainError, train
 
@@ -144,12 +146,15 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
                              opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
                              progress=timer.on_phase is not None, cache_dir=str(work / "tokens"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
+        budget = None if limits is None else limits.budget(
+            "heal", recipe.train.max_steps, f"steps of {tokens_per_step(opts.seq_len):,} tokens", "lower --heal-tokens")
         try:
-            result = train(recipe)
+            result = train(recipe, on_step=None if budget is None else budget.update)
         except (TrainError, RecipeError) as err:
-            raise ConversionError(f"heal: {err}") from None
+            message = str(err)  # the heal's time budget names itself already
+            raise ConversionError(message if message.startswith("heal:") else f"heal: {message}") from None
         if result.stopped:
-            raise KeyboardInterrupt(f"heal stopped by {result.stop_reason}")
+            raise Stopped(result.stop_reason or "STOP", "the heal")
         healed, _, _ = load_model(str(result.final_dir), device=opts.device, with_tokenizer=False)
         report["heal"] = {"tokens": result.tokens, "steps": result.steps, "seconds": time.perf_counter() - wall0,
                           "cpu_seconds": time.process_time() - cpu0, "first_loss": result.losses[0],

@@ -39,7 +39,48 @@ def load_tokenizer(src):
         from .gguf_export import restore_digit_split
 
         restore_digit_split(tokenizer, Path(path) / kwargs["gguf_file"])
+    where = Path(path) / kwargs["gguf_file"] if "gguf_file" in kwargs else path
+    if (Path(where) / "tokenizer.json").is_file():
+        where = Path(where) / "tokenizer.json"
+    check_vocab(tokenizer, src.tlm_config.vocab_size, where, f"'{src.path}'")
     return tokenizer
+
+
+def check_vocab(tokenizer, vocab_size: int, where, model: str = "the model") -> None:
+    """ConversionError when ``tokenizer`` (read from ``where``) has ordinary tokens whose ids the model's
+    ``vocab_size`` embeddings do not cover (every such id would index past the embedding table). Special added tokens
+    beyond it (e.g. a multimodal placeholder of a text-only model) are allowed: they only appear when a text spells
+    them, and :func:`check_token_ids` catches that."""
+    over = {token: i for token, i in tokenizer.get_vocab().items() if i >= vocab_size}
+    if not over:
+        return
+    special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    plain = sorted((i, token) for token, i in over.items() if token not in special)
+    if plain:
+        raise ConversionError(f"the tokenizer '{where}' has {len(plain)} token(s) with ids from {plain[0][0]} up to "
+                              f"{plain[-1][0]}, beyond the {vocab_size} embeddings of {model} (vocab_size in its config); use "
+                              "the model's own tokenizer, or a model whose vocab_size covers this one")
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, fix: str = "use the model's own tokenizer") -> None:
+    """ConversionError when token ``ids`` (of ``what``: calibration data, a token cache, ...) hold an id the model's
+    ``vocab_size`` embeddings do not cover, or a negative one."""
+    if ids.numel() == 0:
+        return
+    top, low = int(ids.max()), int(ids.min())
+    if top >= vocab_size or low < 0:
+        bad = top if top >= vocab_size else low
+        raise ConversionError(f"{what} holds token id {bad}, outside the model's vocabulary of {vocab_size} "
+                              f"(ids 0..{vocab_size - 1}); {fix}")
+
+
+def check_positions(config, seq_len: int, where, option: str = "--seq-len") -> None:
+    """ConversionError when a model with learned positions (GPT-2: n_positions) gets sequences longer than its
+    position table."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if getattr(config, "position_embedding", None) == "learned" and limit is not None and seq_len > limit:
+        raise ConversionError(f"{option} {seq_len} is longer than the {limit} positions of '{where}' (its learned "
+                              f"position table: n_positions / max_position_embeddings); use {option} {limit} or less")
 
 
 def materialize(config, state_dict: dict) -> TLMForCausalLM:
@@ -62,4 +103,4 @@ def materialize(config, state_dict: dict) -> TLMForCausalLM:
     return model
 
 
-__all__ = ["load_model", "load_tokenizer", "materialize"]
+__all__ = ["load_model", "load_tokenizer", "materialize", "check_vocab", "check_token_ids", "check_positions"]

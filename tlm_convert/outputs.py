@@ -50,10 +50,12 @@ _FULL_TEXTS = ("no space left", f"os error {errno.ENOSPC})", "disk quota exceede
 
 
 def check_output_path(source: str | os.PathLike | None, output: str | os.PathLike, overwrite: bool,
-                      option: str = "-o") -> None:
+                      option: str = "-o", overwrite_flag: str | None = "--overwrite") -> None:
     """Refuse an OUTPUT that would touch the input or cannot be written, before any work is done.
 
     ``source`` is compared only when it is a local path (a hub id is not); symlinks are resolved on both sides.
+    ``overwrite_flag``: the option that allows replacing an existing OUTPUT, named in the refusal (None: the command
+    has none and never replaces one).
     """
     out = Path(output).expanduser().absolute()
     target = out.resolve()
@@ -69,10 +71,18 @@ def check_output_path(source: str | os.PathLike | None, output: str | os.PathLik
                                   f"an {option} outside it")
     if os.path.lexists(out):
         if not overwrite:
-            raise ConversionError(f"output {output} already exists; pass --overwrite or choose another {option}")
+            hint = f"pass {overwrite_flag} or " if overwrite_flag else ""
+            raise ConversionError(f"output {output} already exists; {hint}choose another {option}"
+                                  + ("" if overwrite_flag else " (this command never replaces an existing folder)"))
         if not target.is_dir():
             raise ConversionError(f"output {output} exists and is not a folder; remove it or choose another {option}")
     check_writable_parent(out, option)
+
+
+def check_output_given(output, option: str = "-o") -> None:
+    """An empty OUTPUT (``-o ""``, which would mean the current folder) is refused."""
+    if not str(output).strip():
+        raise ConversionError(f"option {option} is empty; give the output folder")
 
 
 def check_writable_parent(out: Path, option: str = "-o") -> Path:
@@ -231,8 +241,9 @@ class OutputLock:
             if err.errno == errno.ELOOP or os.path.islink(self.path):
                 raise ConversionError(f"lock file {self.path} is a symbolic link, which is never followed; remove the "
                                       f"link or choose another {self.option}") from None
-            raise ConversionError(f"cannot create the lock file {self.path}: {err.strerror or err}; choose another "
-                                  f"{self.option}") from None
+            raise ConversionError(f"cannot write {self.target}: its folder '{self.target.parent}' does not take new "
+                                  f"files (creating the lock file {self.path.name} there failed: "
+                                  f"{err.strerror or err}); choose another {self.option}") from None
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
             os.close(fd)
@@ -437,6 +448,7 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "RUN_MARKER", "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
+__all__ = ["OutputLock", "RUN_MARKER", "check_output_given",
+           "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

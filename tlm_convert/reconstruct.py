@@ -42,10 +42,12 @@ def token_weights(kind: str, mixed: list[torch.Tensor]) -> list[torch.Tensor] | 
 
 
 def reconstruct_mlp(layer, mixed: list[torch.Tensor], targets: list[torch.Tensor],
-                    weights: list[torch.Tensor] | None, epochs: int, lr: float, seed: int = 0) -> list[float]:
+                    weights: list[torch.Tensor] | None, epochs: int, lr: float, seed: int = 0,
+                    on_epoch=None) -> list[float]:
     """Train ``layer.mlp``'s projections with Adam so that mlp(norm(z_b)) ≈ targets[b] on every batch b
     (z_b: (B, S, d) MLP inputs; targets (B, S, d)), ``epochs`` passes over the batches in a seeded order.
-    Returns the weighted relative error Σw‖e‖²/Σw‖y‖² before training and after each epoch."""
+    Returns the weighted relative error Σw‖e‖²/Σw‖y‖² before training and after each epoch. ``on_epoch()``: called
+    after every epoch (a time budget, which may stop the run)."""
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     params = [p for m in mlp.children() if isinstance(m, nn.Linear) for p in m.parameters()]
     flags = [p.requires_grad for p in params]
@@ -68,6 +70,8 @@ def reconstruct_mlp(layer, mixed: list[torch.Tensor], targets: list[torch.Tensor
                     loss.backward()
                     opt.step()
                 history.append(_error(mlp, inputs, targets, weights) / scale)
+                if on_epoch is not None:
+                    on_epoch()
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)

@@ -38,11 +38,18 @@ def start_token(tokenizer) -> int:
 
 @torch.no_grad()
 def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_size: int = BATCH,
-                  progress: bool = False) -> torch.Tensor:
+                  progress: bool = False, budget=None) -> torch.Tensor:
     """(n, seq_len) token ids sampled from ``model`` (a causal LM with ``generate``), ``batch_size`` samples at a
-    time; ``progress``: a bar over the sampled tokens on stderr, advanced at every generation step."""
+    time; ``progress``: a bar over the sampled tokens on stderr, advanced at every generation step. ``budget``: a
+    tlm_convert.budget.Budget over the n * seq_len tokens, told at every generation step (it may refuse the rest)."""
     start = start_token(tokenizer)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or (1 << 62)
+    if start >= vocab:
+        raise ConversionError(f"--calibration-data self starts its samples from token {start} (the tokenizer's BOS or "
+                              f"EOS), beyond the model's vocabulary of {vocab}; use the model's own tokenizer or pass "
+                              "calibration text")
     suppress = sorted({start, tokenizer.eos_token_id, *_config_eos(model)} - {None})  # no sample ends early
+    suppress = [t for t in suppress if 0 <= t < vocab]
     device = next(model.parameters()).device
     out = []
     bar = tqdm(total=n * seq_len, desc="self samples", unit="tok", file=sys.stderr, disable=not progress)
@@ -54,19 +61,21 @@ def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_s
             sampled = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                      temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=seq_len,
                                      suppress_tokens=suppress, pad_token_id=start,
-                                     stopping_criteria=StoppingCriteriaList([_Advance(bar)]))  # (rows, 1 + seq_len)
+                                     stopping_criteria=StoppingCriteriaList([_Advance(bar, budget)]))  # (rows, 1 + S)
             out.append(sampled[:, 1:].cpu())
     return torch.cat(out)
 
 
 class _Advance(StoppingCriteria):
-    """Never stops; advances ``bar`` by one token per row at every generation step."""
+    """Never stops; advances ``bar`` (and ``budget``) by one token per row at every generation step."""
 
-    def __init__(self, bar):
-        self.bar = bar
+    def __init__(self, bar, budget=None):
+        self.bar, self.budget = bar, budget
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         self.bar.update(input_ids.shape[0])
+        if self.budget is not None:
+            self.budget.tick(input_ids.shape[0])
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -78,10 +87,11 @@ def _config_eos(model) -> list:
 
 
 def calibration_blocks(tokenizer, sources: tuple[str, ...], seq_len: int, tokens: int, model=None, seed: int = 0,
-                       progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       progress: bool = False, limits=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibration blocks of ``sources`` in order, each source an equal share of ``tokens`` (text sources as
     data.token_blocks takes them, evenly spread; ``self`` sampled from ``model``), and the sampled blocks alone
-    (None without ``self``): (n, seq_len), (m, seq_len)."""
+    (None without ``self``): (n, seq_len), (m, seq_len). ``limits``: a tlm_convert.budget.Limits for the sampling's
+    time (said aloud when long, refused above the limit)."""
     share = tokens // len(sources)
     if share < seq_len:
         raise ConversionError(f"--calibration-tokens {tokens} gives each of the {len(sources)} calibration sources "
@@ -90,7 +100,10 @@ def calibration_blocks(tokenizer, sources: tuple[str, ...], seq_len: int, tokens
     parts, samples = [], None
     for source in sources:
         if source == SELF:
-            samples = sample_blocks(model, tokenizer, share // seq_len, seq_len, seed, progress=progress)
+            n = share // seq_len
+            budget = None if limits is None else limits.budget(
+                "self samples", n * seq_len, "tokens", "lower --calibration-tokens or calibrate on text")
+            samples = sample_blocks(model, tokenizer, n, seq_len, seed, progress=progress, budget=budget)
             parts.append(samples)
         else:
             parts.append(token_blocks(tokenizer, load_text(source), seq_len, share))

@@ -117,7 +117,7 @@ def open_stream(source, trust_remote_code: bool = False) -> StreamSource:
 
 
 def _open_folder(path: Path) -> StreamSource:
-    raw = read_json(path / "config.json")
+    raw = read_json(path / "config.json", "model config", finite=True)
     check_model_size(raw, path / "config.json")  # before anything is built
     kind, files = weight_files(path)
     tensors, notes = (SafetensorsFiles(files) if kind == "safetensors" else BinTensors(files)), []

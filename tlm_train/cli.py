@@ -42,7 +42,7 @@ def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, bat
         import torch
 
         from tlm_convert.data import eval_sources, load_text
-        from tlm_convert.load import load_model
+        from tlm_convert.load import check_positions, check_token_ids, load_model
 
         from .evaluate import strided_perplexity
 
@@ -55,11 +55,13 @@ def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, bat
         sets = eval_sources(data)
         texts = {name: load_text(name, data_format=data_format) for name in sets}  # bad data fails before the load
         model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
+        check_positions(model.config, seq_len, model_path)
         lines = []
         for name, text in texts.items():
-            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens])
+            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens], dtype=torch.long)
             if len(ids) < 2:
                 raise ConversionError(f"evaluation data {name!r} has {len(ids)} tokens; pass more text")
+            check_token_ids(ids, model.config.vocab_size, f"evaluation data {name!r} (tokenized)")
             result = strided_perplexity(model, ids, seq_len, stride, batch_size)
             lines.append({"model": model_path, "data": name, "tokens": int(len(ids)), "seq_len": seq_len,
                           "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
@@ -86,7 +88,8 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
         import time
 
         from tlm_convert.data import load_text, token_blocks
-        from tlm_convert.load import load_model
+        from tlm_convert.load import check_positions, check_token_ids, load_model
+        from tlm_convert.outputs import check_writable_parent
 
         from .analyze import residual_alignment, save_alignment, suggest_ratio
 
@@ -94,9 +97,13 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
         check_positive(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
         if output is not None and Path(output).exists() and not Path(output).is_dir():
             raise ConversionError(f"option -o {output}: exists and is not a folder")
+        if output is not None:  # before the model is loaded: a parent that is a file or read-only
+            check_writable_parent(Path(output).expanduser().absolute(), option="-o")
         t0 = time.perf_counter()
         model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
+        check_positions(model.config, seq_len, model_path)
         blocks = token_blocks(tokenizer, load_text(data), seq_len, max_tokens, what="analysis")
+        check_token_ids(blocks, model.config.vocab_size, f"analysis data {data!r} (tokenized)")
         load_s = time.perf_counter() - t0
         result = residual_alignment(model, blocks, batch_size=batch_size, data=data)
         suggestion = suggest_ratio(result)
@@ -123,6 +130,12 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
 STOPPED_EXIT = {"SIGTERM": 143, "STOP": 143, "SIGINT": 130}  # 128 + signal number; the STOP file counts as SIGTERM
 
 
+def _train_error(err: BaseException) -> bool:
+    """Whether ``err`` is a TrainError (its module may not be imported yet when a signal stops the command)."""
+    trainer = sys.modules.get("tlm_train.trainer")
+    return trainer is not None and isinstance(err, trainer.TrainError)
+
+
 @tlm_main.command("train", cls=OneLineCommand)
 @click.argument("recipe_path", metavar="RECIPE.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -143,17 +156,17 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
     """
     try:
         from .recipe import load_recipe
-        from .trainer import TrainError, train
+        from .trainer import train
 
         quiet_libraries()
         overrides = list(overrides) + (["trust_remote_code=true"] if trust_remote_code else [])
         recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        report_failure(err)
+        if _train_error(err):
+            fail(str(err))
+        report_failure(err, stopped="nothing was trained; run the same command again")
     import torch.distributed as dist
 
     main = not (dist.is_initialized() and dist.get_rank() != 0)
@@ -182,14 +195,13 @@ def tokenize_command(recipe_path, overrides):
     try:
         from .prepare import prepare_data
         from .recipe import load_recipe
-        from .trainer import TrainError
 
         quiet_libraries()
         summary = prepare_data(load_recipe(recipe_path, list(overrides)))
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        report_failure(err)
+        if _train_error(err):
+            fail(str(err))
+        report_failure(err, stopped="the shards written so far are kept; run it again to continue")
     click.echo(json.dumps(summary))
 
 
@@ -224,15 +236,14 @@ def compare_command(compare_path, overrides, no_progress):
     compare.md and loss_curves.png into output_dir. Finished runs are collected, not rerun."""
     try:
         from .compare import format_table, load_compare, run_comparison
-        from .trainer import TrainError
 
         quiet_libraries()
         spec = load_compare(compare_path, list(overrides))
         rows = run_comparison(spec, progress=not no_progress)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
-        report_failure(err)
+        if _train_error(err):
+            fail(str(err))
+        report_failure(err, stopped="finished runs are kept; run it again to continue")
     click.echo(format_table(rows))
     click.echo(f"wrote {spec.output_dir}/compare.json, compare.md and loss_curves.png")
 

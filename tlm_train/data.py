@@ -130,6 +130,27 @@ def recipe_tokens(tokenizer, data) -> tuple[TokenShards, torch.Tensor | None]:
     return train, held
 
 
+CACHE_FIX = "delete that cache folder (it is tokenized again) or set data.cache_dir to a new folder"
+
+
+def check_cache_ids(shards: TokenShards, vocab_size: int, what: str, chunk: int = 1 << 24) -> None:
+    """ConversionError when the token cache ``shards`` holds an id the model's ``vocab_size`` embeddings do not cover
+    (a cache written by another tokenizer, damaged or edited): read in chunks of ``chunk`` tokens before training, so
+    no step indexes past the embedding table. Skipped when the cache's dtype cannot hold such an id."""
+    import numpy as np
+
+    from tlm_convert.errors import ConversionError
+
+    if shards.dtype == np.uint16 and vocab_size >= 1 << 16:
+        return
+    for start in range(0, len(shards), chunk):
+        ids = shards.read(start, start + chunk)
+        if len(ids) and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
+            raise ConversionError(f"{what} holds token id {bad}, outside the model's vocabulary of {vocab_size} (ids "
+                                  f"0..{vocab_size - 1}); {CACHE_FIX}")
+
+
 _PIECE_CHARS = 1 << 20
 
 
@@ -219,5 +240,5 @@ def micro_batch_loader(order: BatchOrder, rank: int, first_step: int, last_step:
         yield ids.pin_memory() if pin_memory else ids
 
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks",
+__all__ = ["CACHE_FIX", "check_cache_ids", "byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks",
            "BatchOrder", "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]

@@ -12,6 +12,7 @@ any transformers / GGUF / TLM model) or ``model`` (a TLM config trained from scr
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
+SEED_LIMIT = 1 << 32  # seeds are 0 .. 2**32 - 1: NumPy's range, and products of it stay within torch's 64 bits
 
 
 class RecipeError(ValueError):
@@ -153,10 +158,15 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
+                          "pass the YAML recipe file")
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as err:
         raise RecipeError(f"recipe '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except RecursionError:
+        raise RecipeError(f"recipe '{path}' is nested too deeply to be a recipe; fix it") from None
     except _DuplicateKey as err:
         raise RecipeError(f"recipe '{path}': {err}; keep one of them (a later one would silently replace the "
                           "first)") from None
@@ -268,12 +278,19 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
                 try:
-                    return float(value)
+                    value = float(value)
                 except ValueError:
                     pass
-            errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
-            return value
-        return float(value)
+            if isinstance(value, str) or not isinstance(value, float):
+                errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+                return value
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
+        if not math.isfinite(value):  # .nan, .inf: no run can use them
+            errors.append(f"{path}: expected a finite number, got {value!r}")
+        return value
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
     elif tp in (str, bool, dict) and not isinstance(value, tp):
@@ -317,6 +334,8 @@ def _check_semantics(r: Recipe) -> list[str]:
         errors.append("tokenizer: required with model (from scratch): 'byte' or a tokenizer folder")
     if r.model is not None:
         errors += _model_config_problems(r.model.config)
+    if not 0 <= r.seed < SEED_LIMIT:
+        errors.append(f"seed: must be in 0..{SEED_LIMIT - 1} (the seeds of Python, NumPy and torch), got {r.seed}")
     positive = {"data.seq_len": r.data.seq_len, "data.eval_tokens": r.data.eval_tokens,
                 "train.max_steps": r.train.max_steps, "train.batch_size": r.train.batch_size,
                 "train.grad_accum": r.train.grad_accum, "log.every": r.log.every, "log.save_every": r.log.save_every,

@@ -128,14 +128,30 @@ def open_shards(folder: Path, dtype: np.dtype, max_tokens: int | None) -> TokenS
     """The cache in ``folder`` when it holds what is asked for (the whole source, or at least ``max_tokens``), else
     None (more shards must be written)."""
     counts = _shards_on_disk(folder, dtype)
-    manifest = folder / MANIFEST
-    if manifest.is_file():
-        state = json.loads(manifest.read_text())
-        if state.get("complete") and counts[: len(state["shards"])] == state["shards"]:
-            return TokenShards(folder, state["shards"], dtype, max_tokens)
+    state = read_manifest(folder)
+    if state is not None and state.get("complete") and counts[: len(state["shards"])] == state["shards"]:
+        return TokenShards(folder, state["shards"], dtype, max_tokens)
     if max_tokens is not None and sum(counts) >= max_tokens:
         return TokenShards(folder, counts, dtype, max_tokens)
     return None
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The cache's manifest, None when there is none or it is damaged (the cache is derived data: its shards are then
+    checked by size and written again where needed, and a new manifest replaces the damaged one)."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file() or path.stat().st_size > 64 << 20:
+        return None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        logger.warning("token cache manifest %s is damaged; the cache is checked and completed again", path)
+        return None
+    shards = state.get("shards") if isinstance(state, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shards):
+        return None
+    return state
 
 
 # ============================================================================================== writing
@@ -198,8 +214,7 @@ def write_shards(folder: Path, documents: Iterable[tuple[str, bool]], writer: Gr
     """Tokenize the groups of ``documents`` that have no shard yet into ``folder`` (see the module doc)."""
     folder.mkdir(parents=True, exist_ok=True)
     _remove_orphans(folder)
-    manifest = folder / MANIFEST
-    recorded = json.loads(manifest.read_text())["shards"] if manifest.is_file() else []
+    recorded = (read_manifest(folder) or {}).get("shards", [])
     counts: dict[int, int] = {}
     pending: deque = deque()
     pool = None

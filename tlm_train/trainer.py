@@ -48,13 +48,16 @@ import torch.nn.functional as F
 
 from tlm.slow import SlowLevels
 from tlm_convert.errors import ConversionError, first_few
-from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
-                                 publish, save_errors)
+from tlm_convert.outputs import (RUN_MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in,
+                                 mark_run_folder, publish, save_errors)
 from tlm_convert.perplexity import nll_sum
 from tlm_convert.sizes import check_model_size
 
 from . import state_io
-from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
+from tlm_convert.load import check_positions, check_token_ids
+
+from .data import (CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, load_tokenizer, micro_batch_loader,
+                   recipe_tokens, to_blocks)
 from .losses import head_loss, teacher_topk
 from .recipe import Recipe, RecipeError, recipe_from_dict
 from .teacher_cache import TeacherTopCache
@@ -191,7 +194,15 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     if not with_tokenizer:
         return model, None
     if tokenizer_name is not None:
-        return model, load_tokenizer(tokenizer_name, trust_remote_code)
+        from tlm_convert.load import check_vocab
+
+        tokenizer = load_tokenizer(tokenizer_name, trust_remote_code)
+        try:
+            check_vocab(tokenizer, model.config.vocab_size, tokenizer_name, f"'{path}'")
+        except ConversionError as err:
+            raise TrainError(str(err).replace("use the model's own tokenizer", "set tokenizer: to the model's own "
+                                              "tokenizer (or leave it out)")) from None
+        return model, tokenizer
     if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
     return model, source_tokenizer(src)
@@ -372,15 +383,18 @@ class _Run:
         self.recipe = recipe
         self.out = Path(recipe.output_dir)
         self.d = _setup_distributed(recipe.train.device)
+        self.created = not os.path.lexists(self.out)  # a failed start removes a folder it made (and left empty)
         precision = recipe.train.precision
         self.bf16 = precision == "bf16" or (precision == "auto" and bf16_is_fast(self.d.device))
         self.lock = self._lock_output()
         try:
             self.show_progress = recipe.log.progress if progress is None else progress
             self.stop_requested = False
+            self.on_step = None
             self.resume_from = self._resume_path(resume)
         except BaseException:
             self.release()
+            self.discard_new_folder()
             raise
 
     def _lock_output(self) -> OutputLock | None:
@@ -392,6 +406,7 @@ class _Run:
                 check_writable_parent(self.out.absolute(), option="output_dir")
                 lock = OutputLock(self.out, option="output_dir").acquire()
                 check_run_folder(self.out, _OWNED, "output_dir", not_inside=getattr(self.recipe, "source", None))
+                _check_own_files(self.out)
                 mark_run_folder(self.out)
                 clean_stale_in(self.out, _OUTPUTS)
             except (ConversionError, OSError) as err:
@@ -401,6 +416,18 @@ class _Run:
                 lock.release()
             raise TrainError(problem or "rank 0 could not lock output_dir (see its error)")
         return lock
+
+    def discard_new_folder(self) -> None:
+        """After a failed start: output_dir, when this run created it and it holds nothing but the run's marker, is
+        removed (a refused run leaves nothing behind)."""
+        if not (self.created and self.d.main):
+            return
+        try:
+            if set(os.listdir(self.out)) <= {RUN_MARKER}:
+                (self.out / RUN_MARKER).unlink(missing_ok=True)
+                self.out.rmdir()
+        except OSError:
+            pass
 
     def release(self) -> None:
         if self.lock is not None:
@@ -437,6 +464,7 @@ class _Run:
         _seed_everything(r.seed)
         model, self.tokenizer = build_model_and_tokenizer(r)
         self.model_config = model.config
+        check_positions(model.config, r.data.seq_len, r.init_from or "model.config", option="data.seq_len")
         model.to(d.device)
         if r.train.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -505,6 +533,10 @@ class _Run:
             eval_ids = torch.from_numpy(ids.read(train_stop))
         train_blocks = TokenBlocks(ids, r.data.seq_len, stop=train_stop)
         self.eval_blocks = to_blocks(eval_ids[: r.data.eval_tokens], r.data.seq_len)
+        vocab = self.model_config.vocab_size  # an id beyond the embeddings: refused before anything is written
+        check_cache_ids(ids, vocab, f"the token cache of data.train ({ids.folder})")
+        check_token_ids(eval_ids, vocab, "the held-out tokens of data.eval" if r.data.eval else
+                        f"the token cache of data.train ({ids.folder})", CACHE_FIX)
         global_batch = r.train.batch_size * r.train.grad_accum * self.d.world
         if len(train_blocks) < global_batch:
             raise TrainError(f"training data has {len(train_blocks)} blocks of data.seq_len {r.data.seq_len}, fewer "
@@ -679,8 +711,17 @@ class _Run:
     def _open_metrics(self):
         path = self.out / "metrics.jsonl"
         if self.d.main and path.exists():  # a resumed run drops what was logged after its checkpoint
-            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
+            lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+            kept = []
+            for number, line in enumerate(lines, 1):
+                try:
+                    step = json.loads(line).get("step", 0)
+                    keep = step <= self.step
+                except (ValueError, AttributeError, TypeError):
+                    raise TrainError(f"{path} line {number} is not a metrics record (JSON with a step); fix or delete "
+                                     "that line, then resume") from None
+                if keep:
+                    kept.append(line)
             path.write_text("".join(ln + "\n" for ln in kept))
         self.metrics_path = path
         self.tb = None
@@ -814,6 +855,8 @@ class _Run:
                     break
                 lr = self.scheduler.get_last_lr()[0]
                 loss = self.train_step()
+                if self.on_step is not None:
+                    self.on_step(self.step)
                 if not math.isfinite(loss):
                     raise TrainError(f"the training loss is {loss} at step {self.step}; lower optim.lr or enable "
                                      "optim.grad_clip (the last checkpoint is kept)")
@@ -857,7 +900,12 @@ class _Run:
     def _write_summary(self, result: TrainResult) -> None:
         """run_summary.json: where the run stands, with the wall time of every invocation (resumes add one)."""
         path = self.out / "run_summary.json"
-        previous = json.loads(path.read_text()).get("invocation_seconds", []) if path.exists() else []
+        try:
+            previous = json.loads(path.read_text()).get("invocation_seconds", []) if path.exists() else []
+            previous = [float(x) for x in previous]
+        except (OSError, ValueError, TypeError, AttributeError):
+            warnings.warn(f"{path} was damaged; its earlier invocation times are dropped", stacklevel=2)
+            previous = []
         summary = {"steps": result.steps, "tokens": result.tokens, "eval_loss": result.eval_loss,
                    "finished": not result.stopped, "precision": "bf16" if self.bf16 else "fp32",
                    "invocation_seconds": previous + [round(result.seconds, 3)]}
@@ -869,6 +917,21 @@ class _Run:
         self.log({"step": self.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
                   "tokens": self.step * self.tokens_per_step})
         return loss
+
+
+_WRITTEN = ("recipe.yaml", "metrics.jsonl", "run_summary.json", "tensorboard")  # rewritten or appended by a run
+
+
+def _check_own_files(out: Path) -> None:
+    """A run writes these names in output_dir; a symbolic link (or a device, pipe, ...) in the place of one would
+    send the writes into a file the run does not own: refused."""
+    for name in _WRITTEN:
+        path = out / name
+        if path.is_symlink() or (path.exists() and not (path.is_dir() if name == "tensorboard" else path.is_file())):
+            what = "a symbolic link" if path.is_symlink() else "not a plain " + ("folder" if name == "tensorboard"
+                                                                                 else "file")
+            raise ConversionError(f"output_dir {out}: {name} is {what}, which a run never writes through; remove it "
+                                  "or choose a new folder for output_dir")
 
 
 def _temp_dir(final: Path) -> Path:
@@ -927,20 +990,27 @@ def _brief(value) -> str:
     return repr(value)
 
 
-def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | None = None) -> TrainResult:
+def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | None = None,
+          on_step=None) -> TrainResult:
     """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
-    checkpoint path). Works the same under torchrun (one call per process)."""
+    checkpoint path). Works the same under torchrun (one call per process). ``on_step(step)``: called after every
+    optimizer step (a time budget; an exception it raises ends the run, no checkpoint written)."""
     threads = torch.get_num_threads()
-    run = None
+    run, ok = None, False
     try:
         run = _Run(recipe, resume, progress)
+        run.on_step = on_step
         run.setup()
-        return run.run()
+        result = run.run()
+        ok = True
+        return result
     except ConversionError as err:  # disk full or another write error while saving
         raise TrainError(str(err)) from None
     finally:
         if run is not None:
             run.release()
+            if not ok:
+                run.discard_new_folder()
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
