@@ -18,8 +18,8 @@ import yaml
 from test_faults import _convert, _one_error_line, _tiny_recipe, _tlm, _write_recipe
 from tiny_sources import make_source, tiny_tokenizer
 
-from tlm_convert.errors import ConversionError
-from tlm_convert.outputs import OutputLock, clean_stale, clean_stale_in
+from tlm_io.errors import ConversionError
+from tlm_io.outputs import OutputLock, clean_stale, clean_stale_in
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_an_absurd_recipe_model_is_refused_before_anything_is_built(tmp_path, fi
 
 
 def test_a_model_beyond_the_available_memory_is_refused(monkeypatch):
-    from tlm_convert import sizes
+    from tlm_io import sizes
 
     monkeypatch.setattr(sizes, "available_memory", lambda: 1 << 30)
     cfg = {"num_hidden_layers": 64, "hidden_size": 8192, "intermediate_size": 28672, "vocab_size": 128256}
@@ -442,9 +442,9 @@ def test_export_onto_an_existing_folder_names_no_option_it_lacks(source, tmp_pat
 
 
 def test_analyze_into_a_folder_under_a_file_fails_before_the_model_is_loaded(source, tmp_path, monkeypatch):
-    import tlm_convert.load
+    import tlm_cli.main
 
-    monkeypatch.setattr(tlm_convert.load, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(tlm_cli.main, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "file").write_text("x")
     line = _one_error_line(_tlm(["analyze", source, "--data", str(DATA), "-o", tmp_path / "file" / "sub"]))
     assert "is a file, not a folder" in line and "choose another -o" in line, line

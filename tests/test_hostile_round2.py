@@ -184,7 +184,7 @@ def test_a_bad_time_limit_is_one_line(source, tmp_path, value):
 
 def test_budget_says_a_long_phase_aloud_and_refuses_above_the_limit():
     from tlm_convert.budget import Budget, Limits
-    from tlm_convert.errors import ConversionError
+    from tlm_io.errors import ConversionError
 
     def run(total, step_seconds, max_hours):
         now, notes = [0.0], []
@@ -342,17 +342,17 @@ def test_sigterm_while_a_conversion_loads_exits_143(source, tmp_path, monkeypatc
 
 
 def test_sigterm_during_eval_exits_143(source, monkeypatch):
-    import tlm_train.evaluate
+    import tlm_cli.main
 
-    _sigterm_when_called(monkeypatch, tlm_train.evaluate, "strided_perplexity")
+    _sigterm_when_called(monkeypatch, tlm_cli.main, "strided_perplexity")
     res = _tlm(["eval", source, "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"])
     assert res.exit_code == 143 and "stopped by SIGTERM" in _one_error_line(res), res.output
 
 
 def test_sigterm_during_export_exits_143_and_writes_nothing(source, tmp_path, monkeypatch):
-    import tlm_convert.export
+    import tlm_io.export
 
-    _sigterm_when_called(monkeypatch, tlm_convert.export, "export_model")
+    _sigterm_when_called(monkeypatch, tlm_io.export, "export_model")
     res = _tlm(["export", source, "--to", "tlm", "-o", tmp_path / "out"])
     assert res.exit_code == 143 and "nothing was written" in _one_error_line(res), res.output
     assert not list(tmp_path.iterdir())

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ConversionError
+from tlm_io.errors import ConversionError
 
 DEFAULT_MAX_HOURS = 24.0  # a conversion (heal included) estimated longer is refused unless --max-hours allows it
 NOTE_SECONDS = 60.0  # a phase estimated longer than this is said aloud

@@ -2,7 +2,7 @@
 
 load -> (eval before) -> calibrate / rank / resize, layer by layer (calibrate.convert_layers) -> upcycle mixer ->
 strict reload and parameter check -> (eval after) -> export into a temporary folder -> report and plot -> publish
-(tlm_convert.outputs.publish: an atomic swap onto OUTPUT). OUTPUT is checked before anything is loaded and locked
+(tlm_io.outputs.publish: an atomic swap onto OUTPUT). OUTPUT is checked before anything is loaded and locked
 for the whole run.
 
 ``--low-memory`` runs the same layer loop under the low-memory policy with a streamed source and sink
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
 import os
 import resource
@@ -26,26 +25,27 @@ from pathlib import Path
 import torch
 
 from tlm import MIXERS, parse_ratio, taper_widths
+from tlm_io.checkpoint import load_source
+from tlm_io.errors import ConversionError
+from tlm_io.export import FORMATS, export_model
+from tlm_io.load import check_positions, check_token_ids, load_tokenizer, materialize
+from tlm_io.outputs import (check_free_space, check_output_given, check_output_path, human_bytes, output_bytes,
+                           output_run, save_errors, staged)
+from tlm_io.perplexity import perplexity
+from tlm_io.sizes import available_memory
 
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
-from .checkpoint import load_source
 from .budget import DEFAULT_MAX_HOURS, Limits
-from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
-from .export import FORMATS, export_model
 from .heal import check_heal, heal
 from .importance import METRICS, WHOLE_MODEL
-from .load import check_positions, check_token_ids, load_tokenizer, materialize
-from .outputs import (OutputLock, check_free_space, check_output_given, check_output_path, clean_stale, output_bytes,
-                      save_errors, staged)
-from .perplexity import perplexity
-from .surgery import GROW_INITS
 from .reconstruct import TOKEN_WEIGHTINGS
+from .report import write_markdown, write_plot
 from .samples import SELF, calibration_blocks, samples_text
+from .stream import StreamedLayers, check_streamable, open_stream
+from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
-
-logger = logging.getLogger(__name__)
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
 MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
@@ -186,8 +186,9 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
 
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
-    the whole run (a second run into it is refused); folders left by killed runs are cleaned (tlm_convert.outputs).
-    ``on_note(text)``: what is said aloud before a long phase (its estimated time, tlm_convert.budget).
+    the whole run (a second run into it is refused); folders left by killed runs are cleaned, and a failed run
+    removes the parents of OUTPUT it created (tlm_io.outputs.output_run). ``on_note(text)``: what is said aloud
+    before a long phase (its estimated time, tlm_convert.budget).
     """
     opts = options or ConvertOptions()
     opts.validate()
@@ -195,11 +196,8 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     out = Path(output)
     check_output_path(source, out, opts.overwrite)
     if opts.low_memory:
-        from .stream import check_streamable
-
         check_streamable(opts)
-    with OutputLock(out):
-        clean_stale(out)
+    with output_run(out):
         return _convert(source, out, opts, on_phase, on_layer, Limits(opts.max_hours or None, on_note))
 
 
@@ -278,8 +276,6 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
 def _open(source, opts):
     """The source: loaded whole (a Source) or opened for streaming (a StreamSource, for ``low_memory``)."""
     if opts.low_memory:
-        from .stream import open_stream
-
         src = open_stream(source, trust_remote_code=opts.trust_remote_code)
     else:
         src = load_source(source, dtype=torch.float32, trust_remote_code=opts.trust_remote_code)
@@ -305,8 +301,6 @@ def resolve_importance(opts: ConvertOptions, width: int) -> list[str]:
 
 def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, report, timer, on_layer, need) -> dict:
     """The layer loop under the low-memory policy, from a streamed source into shards (tlm_convert.stream)."""
-    from .stream import StreamedLayers
-
     config = copy.deepcopy(src.tlm_config)
     config.intermediate_sizes = list(widths)
     final_config = upcycled_config(config, opts.mixer)
@@ -333,9 +327,6 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
 def check_calibration_memory(opts: ConvertOptions, config) -> None:
     """Refuse --calibration-tokens whose carried state cannot fit in memory, before any of it is made: per token its
     id (8 bytes) and the hidden states the layer loop carries (fp32, two streams with the residual refit target)."""
-    from .outputs import human_bytes
-    from .sizes import available_memory
-
     streams = 2 if opts.refit_target == "residual" else 1
     need = opts.calibration_tokens * (8 + 4 * streams * config.hidden_size)
     free = available_memory()
@@ -386,8 +377,6 @@ def _write_output(out: Path, report: dict, timer, write_model) -> None:
     with staged(out) as tmp:
         write_model(tmp)
         with timer("save"):
-            from .report import write_markdown, write_plot
-
             write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count
             report["seconds"] = timer.snapshot()
             report["peak_rss_mb"] = peak_rss_mb()

@@ -21,13 +21,11 @@ from typing import Any, Literal
 
 import yaml
 
+from tlm import TLMConfig
+from tlm_io.errors import RecipeError
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
 SEED_LIMIT = 1 << 32  # seeds are 0 .. 2**32 - 1: NumPy's range, and products of it stay within torch's 64 bits
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message lists every problem, one per line."""
 
 
 @dataclass
@@ -307,8 +305,6 @@ def _model_config_problems(config: dict) -> list[str]:
     import inspect
 
     from transformers import PretrainedConfig
-
-    from tlm import TLMConfig
 
     known = {name for cls in (TLMConfig, PretrainedConfig)
              for name, p in inspect.signature(cls.__init__).parameters.items()

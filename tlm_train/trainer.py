@@ -23,7 +23,7 @@ RNG and the data position, so the loss curve continues exactly as an uninterrupt
 different model or batch layout is refused; ``resume=True`` skips, with a warning, checkpoints that do not match
 their manifest (a kill or full disk while saving) and takes the newest complete one. SIGINT / SIGTERM, or a file
 named ``STOP`` in output_dir, end the run at the next step boundary with a checkpoint. output_dir is locked for
-the run (tlm_convert.outputs.OutputLock): a second run into it is refused.
+the run (tlm_io.outputs.OutputLock): a second run into it is refused.
 """
 
 from __future__ import annotations
@@ -46,20 +46,21 @@ import torch.distributed as dist
 import yaml
 import torch.nn.functional as F
 
+from tlm import TLMConfig, TLMForCausalLM
 from tlm.slow import SlowLevels
-from tlm_convert.errors import ConversionError, first_few
-from tlm_convert.outputs import (RUN_MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in,
-                                 mark_run_folder, publish, save_errors)
-from tlm_convert.perplexity import nll_sum
-from tlm_convert.sizes import check_model_size
+from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
+from tlm_io.export import export_model
+from tlm_io.load import check_positions, check_token_ids, check_vocab, load_model, load_tokenizer
+from tlm_io.outputs import (RUN_MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in,
+                            mark_run_folder, publish, save_errors)
+from tlm_io.perplexity import nll_sum
+from tlm_io.sizes import check_model_size
+from tlm_io.text import to_blocks
 
 from . import state_io
-from tlm_convert.load import check_positions, check_token_ids
-
-from .data import (CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, load_tokenizer, micro_batch_loader,
-                   recipe_tokens, to_blocks)
+from .data import CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, micro_batch_loader, recipe_tokens
 from .losses import head_loss, teacher_topk
-from .recipe import Recipe, RecipeError, recipe_from_dict
+from .recipe import Recipe, recipe_from_dict
 from .teacher_cache import TeacherTopCache
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,6 @@ STOP_FILE = "STOP"
 _OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|final"
 _OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
           rf"tensorboard|{STOP_FILE}")
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue (bad checkpoint, mismatched resume, ...): one line saying what to do."""
 
 
 @dataclass
@@ -153,8 +150,6 @@ def _seed_everything(seed: int) -> None:
 
 def build_model_and_tokenizer(recipe: Recipe):
     """(TLMForCausalLM, tokenizer): from scratch (``model``) or from ``init_from`` (any supported checkpoint)."""
-    from tlm import TLMConfig, TLMForCausalLM
-
     if recipe.model is not None:
         tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
         kwargs = dict(recipe.model.config)
@@ -183,10 +178,6 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
     runs the folder's own code only with ``trust_remote_code``."""
-    from tlm_convert.errors import ConversionError
-    from tlm_convert.load import load_model
-    from tlm_convert.load import load_tokenizer as source_tokenizer
-
     try:
         model, _, src = load_model(path, with_tokenizer=False, trust_remote_code=trust_remote_code)
     except ConversionError as err:
@@ -194,8 +185,6 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     if not with_tokenizer:
         return model, None
     if tokenizer_name is not None:
-        from tlm_convert.load import check_vocab
-
         tokenizer = load_tokenizer(tokenizer_name, trust_remote_code)
         try:
             check_vocab(tokenizer, model.config.vocab_size, tokenizer_name, f"'{path}'")
@@ -205,7 +194,7 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
         return model, tokenizer
     if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    return model, source_tokenizer(src)
+    return model, load_tokenizer(src)
 
 
 def select_trainable(model, patterns: list[str]) -> int:
@@ -551,7 +540,7 @@ class _Run:
     def _load_checkpoint(self, path: Path) -> None:
         try:
             self._restore(path)
-        except state_io.StateError as err:
+        except StateError as err:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 
@@ -681,8 +670,6 @@ class _Run:
     def _write_model(self, folder: Path, weights: dict) -> None:
         """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
         from transformers.utils import logging as hf_logging
-
-        from tlm_convert.export import export_model
 
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
         export_model((self.model_config, {k: v.detach().cpu() for k, v in weights.items()}), folder, "tlm")
@@ -967,7 +954,7 @@ def _read_trainer_state(path: Path) -> dict:
         int(state["step"])
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise state_io.StateError(f"{file} cannot be read ({type(err).__name__})") from None
+        raise StateError(f"{file} cannot be read ({type(err).__name__})") from None
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -980,7 +967,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             weights.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error type
-            raise state_io.StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+            raise StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
     return weights
 
 

@@ -8,6 +8,10 @@ the code (``--trust-remote-code``), for sources the user trusts.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from .checkpoint import MAX_TOKENIZER_BYTES, TOKENIZER_FILES, parse_json, read_bounded
 from .errors import ConversionError, one_line
 
 FLAG = "--trust-remote-code"
@@ -31,11 +35,6 @@ def check_tokenizer_files(path) -> None:
     (not a pipe or device, which would block or never end) within the size a real one has, every JSON file valid
     and not nested absurdly deep, ``tokenizer.json`` of a known model type. ConversionErrors name the file and the
     fix."""
-    import os
-    from pathlib import Path
-
-    from .checkpoint import MAX_TOKENIZER_BYTES, TOKENIZER_FILES, parse_json, read_bounded
-
     folder = Path(path)
     if not folder.is_dir():
         return  # a hub id, resolved by transformers
