@@ -131,7 +131,7 @@ def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
 
 def _heal_process(source: Path, out: Path, extra=()) -> subprocess.Popen:
     args = [sys.executable, "-m", "tlm_convert", str(source), "-o", str(out), *FAST, "--heal-tokens", "100000000",
-            *extra]
+            "--max-hours", "0", *extra]  # a long heal on purpose: the test stops it
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 

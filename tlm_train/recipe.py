@@ -25,6 +25,7 @@ from tlm import TLMConfig
 from tlm_io.errors import RecipeError
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
+MAX_RECIPE_DEPTH = 100  # [ / { nesting; recipes nest a few levels
 SEED_LIMIT = 1 << 32  # seeds are 0 .. 2**32 - 1: NumPy's range, and products of it stay within torch's 64 bits
 
 
@@ -160,7 +161,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
                           "pass the YAML recipe file")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        text = path.read_text(encoding="utf-8")
+        if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML would take seconds to find it too deep
+            raise RecursionError
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as err:
         raise RecipeError(f"recipe '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     except RecursionError:
@@ -175,6 +179,19 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     recipe = recipe_from_dict(data if data is not None else {}, overrides, name=str(path))
     recipe.source = str(path)  # not a recipe key: lets a run refuse an output_dir that is the recipe's own folder
     return recipe
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in ``text`` (brackets inside comments and quotes counted too: an upper
+    bound, enough to refuse an absurd file before the parser recurses into it)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), name: str = "recipe") -> Recipe:
