@@ -30,6 +30,22 @@ def test_committed_results_md_and_readme_table_are_what_the_result_files_give():
     assert bench("report", "--check").returncode == 0
 
 
+def test_the_readme_shows_the_demo_result_files_figures_and_stays_short():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    raw = json.loads((ROOT / "bench" / "results" / "demo.json").read_text())
+    rep = raw["report"]
+    for s in rep["perplexity_sets"]:
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {s['data']} "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert [float(c) for c in cells[1:4]] == [round(s[k], 3) for k in ("before", "after", "ratio")], row
+        if "healed" in s:
+            assert [float(c) for c in cells[4:6]] == [round(s[k], 3) for k in ("healed", "healed_ratio")], row
+    assert f"**x{rep['perplexity_ratio_ood_geomean']:.3f}**" in readme
+    assert f"wall: {raw['wall_s'] // 60:.0f} min {raw['wall_s'] % 60:.0f} s; peak RSS GB: {raw['peak_rss_mb'] / 1024:.1f}" in readme
+    assert "](bench/results/heal_curve.png)" in readme and (ROOT / "bench" / "results" / "heal_curve.png").is_file()
+    assert readme.count("\n") <= 200  # a five-minute read; method details go to docs/
+
+
 def test_results_md_is_short_and_every_section_names_its_command_and_machine():
     text = (ROOT / "bench" / "RESULTS.md").read_text()
     assert text.count("\n") < 400
