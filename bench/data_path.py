@@ -40,7 +40,7 @@ CPU_RECIPE = ROOT / "recipes" / "scratch" / "cpu" / "attention-cosine.yaml"
 
 def write_corpus(path: Path, megabytes: int) -> int:
     """JSON lines of the bundled sample's paragraphs, repeated to ``megabytes`` MB; returns the characters."""
-    from tlm_convert.data import BUNDLED
+    from tlm_io.text import BUNDLED
 
     paragraphs = [p for p in BUNDLED["default"].read_text(encoding="utf-8").split("\n\n") if p.strip()]
     lines = [json.dumps({"text": p}) + "\n" for p in paragraphs]

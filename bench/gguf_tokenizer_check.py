@@ -31,9 +31,9 @@ def main() -> None:
     args = p.parse_args()
     from llama_cpp import Llama
 
-    from tlm_convert.checkpoint import resolve_builtin, tokenizer_kwargs
-    from tlm_convert.data import BUNDLED, load_text
-    from tlm_convert.load import load_tokenizer
+    from tlm_io.checkpoint import resolve_builtin, tokenizer_kwargs
+    from tlm_io.text import BUNDLED, load_text
+    from tlm_io.load import load_tokenizer
 
     gguf = Path(resolve_builtin(args.model))
 

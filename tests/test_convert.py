@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import tlm
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_convert.checkpoint import load_source
+from tlm_io.checkpoint import load_source
 from tlm_convert import convert as convert_module
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
@@ -245,7 +245,7 @@ def test_phase_timer_snapshot_counts_running_phases():
 
 def test_calibration_blocks_are_spread_over_the_whole_text():
     # the bundled sample is a handbook followed by encyclopedic prose: a prefix would only ever see the handbook
-    from tlm_convert.data import token_blocks
+    from tlm_io.text import token_blocks
 
     def tokenizer(text, add_special_tokens=False):
         return {"input_ids": list(range(len(text.split())))}

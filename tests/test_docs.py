@@ -36,3 +36,16 @@ def test_the_readme_links_every_docs_page():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"](docs/{page.name}" in readme, f"docs/{page.name} is not linked from the README"
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path in backticks (`tlm_io/data/README.md`, `recipes/cpt/...yaml`) names a file or folder of this tree, so a
+    package move that forgets a page fails here (bench/results/ files are outputs a run may not have written yet)."""
+    named = set()
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        named |= {(page, p) for p in re.findall(r"`((?:tlm\w*|bench|tools|recipes|tests|docs)/[\w./-]*)`", text)}
+    named = {(page, p) for page, p in named if not p.startswith("bench/results/")}  # what a benchmark will write
+    missing = [f"{page.relative_to(ROOT)}: {p}" for page, p in sorted(named) if not (ROOT / p).exists()]
+    assert not missing, missing
+    assert len(named) >= 10

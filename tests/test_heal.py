@@ -19,10 +19,10 @@ from click.testing import CliRunner
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_convert import heal as heal_module
-from tlm_convert.cli import convert_main
+from tlm_cli.convert import convert_main
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_convert.data import token_blocks
-from tlm_convert.load import load_model
+from tlm_io.text import token_blocks
+from tlm_io.load import load_model
 from tlm_train.trainer import distill_loss
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -206,7 +206,7 @@ def test_tlm_tokenize_fills_the_cache_a_run_then_reads(tmp_path, small_shards, m
     import yaml
     from click.testing import CliRunner
 
-    from tlm_train.cli import tlm_main
+    from tlm_cli.main import tlm_main
 
     docs = write_docs(tmp_path / "docs.jsonl", n=120)
     path = tmp_path / "r.yaml"

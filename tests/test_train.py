@@ -76,7 +76,7 @@ def test_recipe_semantics_and_overrides(tmp_path):
 
 
 def test_every_recipe_in_the_repo_validates():
-    from tlm_train.compare import load_compare
+    from tlm_convert.compare import load_compare
 
     files = sorted((ROOT / "recipes").rglob("*.yaml"))
     assert len(files) >= 10
@@ -332,7 +332,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, parallel):
 
 
 def _cli(args):
-    from tlm_train.cli import tlm_main
+    from tlm_cli.main import tlm_main
 
     return CliRunner().invoke(tlm_main, args)
 
@@ -367,7 +367,7 @@ def test_cli_train_bad_input_is_one_line(tmp_path, content, needle):
 
 
 def test_compare_runs_the_four_arms_at_equal_params_and_tokens(tmp_path):
-    from tlm_train.compare import CompareSpec, RUN_NAMES, run_comparison
+    from tlm_convert.compare import CompareSpec, RUN_NAMES, run_comparison
 
     base = tiny_recipe(tmp_path, "base", model={"schedule": "uniform"}, log={"eval_every": 2})
     spec = CompareSpec(base=base, output_dir=str(tmp_path / "cmp"), pretrain_steps=3, continue_steps=2,
@@ -399,7 +399,7 @@ def yaml_load(path):
 
 
 def test_compare_spec_errors_are_listed(tmp_path):
-    from tlm_train.compare import load_compare
+    from tlm_convert.compare import load_compare
 
     path = tmp_path / "c.yaml"
     path.write_text("base: missing.yaml\noutput_dir: x\npretrain_steps: two\n")

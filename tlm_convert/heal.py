@@ -7,7 +7,7 @@ recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file). 
 short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run);
 recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
 
-Everything is written inside the conversion's temporary folder (tlm_convert.outputs.staged), so a failed or killed
+Everything is written inside the conversion's temporary folder (tlm_io.outputs.staged), so a failed or killed
 heal leaves OUTPUT untouched::
 
     .OUT.tmp-XXXX/heal-work/converted/   the converted model before healing (the student's start, TLM format)
@@ -29,8 +29,14 @@ import shutil
 import time
 from pathlib import Path
 
-from .data import load_text
-from .errors import ConversionError
+from tlm_io.errors import ConversionError
+from tlm_io.export import export_model
+from tlm_io.load import load_model
+from tlm_io.perplexity import perplexity
+from tlm_io.text import load_text
+from tlm_train.recipe import RecipeError, recipe_from_dict
+from tlm_train.trainer import TrainError, train
+
 from .evalsets import geomean
 from .samples import SELF
 
@@ -88,8 +94,6 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
     steps on an AVX512-BF16 CPU, the same heal quality; bench/RESULTS.md), else fp32.
     ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:
     the token cache (None: tlm train's default)."""
-    from tlm_train.recipe import RecipeError, recipe_from_dict
-
     spec = copy.deepcopy(HEAL_RECIPE)
     spec.update(output_dir=output_dir, init_from=student, seed=seed, trust_remote_code=trust_remote_code)
     spec["distill"]["teacher"] = teacher
@@ -130,12 +134,6 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
     evaluation sets, each set's perplexity after healing. KeyboardInterrupt when the run was stopped (SIGINT,
     SIGTERM or a STOP file): OUTPUT is then left as it was. ``samples``: the text of the ``self`` calibration
     source, when it is one."""
-    from tlm_train.recipe import RecipeError
-    from tlm_train.trainer import TrainError, train
-
-    from .export import export_model
-    from .load import load_model
-
     work = tmp / WORK_DIR
     with timer("heal"):
         student = export_model(model, work / "converted", "tlm", src)
@@ -157,8 +155,6 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
         _keep_log(result.output_dir, tmp / HEAL_DIR)
         shutil.rmtree(work)
     if evalb is not None:
-        from .perplexity import perplexity
-
         with timer("eval"):
             healed_ppl = {name: perplexity(healed, blocks, opts.batch_size) for name, blocks in evalb.items()}
         report.update(healed_entries(report, healed_ppl))

@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .data import load_text, token_blocks
-from .errors import ConversionError
+from tlm_io.errors import ConversionError
+from tlm_io.text import load_text, token_blocks
 
 SELF = "self"  # the calibration source name
 BATCH = 128  # samples drawn together (about 1.4x the tokens/s of 32 on 2 CPU cores; KV cache ~1 GB at 512)

@@ -33,21 +33,20 @@ from torch.nn import functional as F
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
-
-from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
-from .checkpoint import (
+from tlm_io.archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
+from tlm_io.checkpoint import (
     BinTensors,
     GGUFTensors,
-    TensorIndex,
     SafetensorsFiles,
     Source,
+    TensorIndex,
     check_shapes,
     generation_config_of,
     import_hf_config,
     locate,
     prepare_tensor,
-    read_hf_config,
     read_gguf_config,
+    read_hf_config,
     read_json,
     read_tlm_config,
     tie_missing_head,
@@ -55,10 +54,11 @@ from .checkpoint import (
     unsupported_error,
     weight_files,
 )
-from .errors import ConversionError, first_few
-from .export import copy_tokenizer, write_generation_config
-from .perplexity import nll_sum
-from .sizes import check_model_size
+from tlm_io.errors import ConversionError, first_few
+from tlm_io.export import copy_tokenizer, write_generation_config
+from tlm_io.perplexity import nll_sum
+from tlm_io.sizes import check_model_size
+
 from .upcycle import carry_scores, upcycle_layer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def check_streamable(opts) -> None:
 
 @dataclass(kw_only=True)
 class StreamSource(Source):
-    """A :class:`~tlm_convert.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
+    """A :class:`~tlm_io.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
     (source name, transform, part) in ``targets``."""
 
     tensors: TensorIndex  # SafetensorsFiles, BinTensors or GGUFTensors

@@ -49,6 +49,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tlm.cms import ContinuumMemory
+from tlm.modeling_tlm import TLMDecoderLayer
+
 logger = logging.getLogger(__name__)
 
 REFERENCES = ("h", "z")
@@ -151,9 +154,6 @@ def _layers_of(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _resolve_sites(model: nn.Module) -> tuple[str, list[_Site]]:
     """(architecture label, one _Site per layer)."""
-    from tlm.cms import ContinuumMemory
-    from tlm.modeling_tlm import TLMDecoderLayer
-
     path, layers = _layers_of(model)
     sites = []
     arch = "tlm" if isinstance(layers[0], TLMDecoderLayer) else ("gpt2" if path.endswith("h") else "transformers")

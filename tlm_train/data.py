@@ -1,7 +1,7 @@
 """Training data: text -> token ids (a sharded cache) -> fixed-length blocks -> a deterministic, resumable batch
 order -> a DataLoader per rank.
 
-Text comes through :func:`tlm_convert.data.load_text`'s sources (local .txt/.jsonl/.parquet files or folders, a hub
+Text comes through :func:`tlm_io.text.load_text`'s sources (local .txt/.jsonl/.parquet files or folders, a hub
 dataset name when online, ``default`` for the bundled English sample). :func:`token_shards` tokenizes it once, in
 parallel and resumably, into memory-mapped shards under ``cache_dir/<key>/`` (tlm_train.shards), the key hashing
 the data's identity (path, size and mtime of every file, or the dataset name), the tokenizer's vocabulary and the
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.data import BUNDLED, is_plain_text, load_text
+from tlm_io.remote_code import auto_tokenizer
+from tlm_io.text import BUNDLED, dataset_rows, is_plain_text, load_text
 
 from .shards import GroupWriter, TokenBlocks, TokenShards, open_shards, token_dtype, write_shards
 
@@ -64,7 +65,6 @@ def _byte_chars() -> dict[int, str]:
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     if name == BYTE_TOKENIZER:
         return byte_tokenizer()
-    from tlm_convert.remote_code import auto_tokenizer
 
     return auto_tokenizer(name, trust_remote_code=trust_remote_code)
 
@@ -141,7 +141,6 @@ def _separator(tokenizer) -> list[int]:
 def _documents(source: str):
     """(text, joined) of every document of ``source`` in order; ``joined``: a separator goes before it (all but the
     first document; a text file is one document, read in pieces of about 1M characters at line breaks)."""
-    from tlm_convert.data import dataset_rows
 
     path = BUNDLED.get(source, Path(source).expanduser())
     if is_plain_text(path):

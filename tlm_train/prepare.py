@@ -12,14 +12,13 @@ import time
 
 from .data import load_tokenizer, recipe_tokens
 from .recipe import Recipe
+from .trainer import build_model_and_tokenizer
 
 
 def recipe_tokenizer(recipe: Recipe):
     """The tokenizer a run of ``recipe`` uses (``tokenizer:``, else init_from's)."""
     if recipe.tokenizer is not None:
         return load_tokenizer(recipe.tokenizer)
-    from .trainer import build_model_and_tokenizer
-
     return build_model_and_tokenizer(recipe)[1]
 
 

@@ -23,7 +23,7 @@ RNG and the data position, so the loss curve continues exactly as an uninterrupt
 different model or batch layout is refused; ``resume=True`` skips, with a warning, checkpoints that do not match
 their manifest (a kill or full disk while saving) and takes the newest complete one. SIGINT / SIGTERM, or a file
 named ``STOP`` in output_dir, end the run at the next step boundary with a checkpoint. output_dir is locked for
-the run (tlm_convert.outputs.OutputLock): a second run into it is refused.
+the run (tlm_io.outputs.OutputLock): a second run into it is refused.
 """
 
 from __future__ import annotations
@@ -46,12 +46,15 @@ import torch.distributed as dist
 import yaml
 import torch.nn.functional as F
 
+from tlm import TLMConfig, TLMForCausalLM
 from tlm.slow import SlowLevels
-from tlm_convert.errors import ConversionError, first_few
-from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
-                                 publish, save_errors)
-from tlm_convert.perplexity import nll_sum
-from tlm_convert.sizes import check_model_size
+from tlm_io.errors import ConversionError, first_few
+from tlm_io.export import export_model
+from tlm_io.load import load_model, load_tokenizer as source_tokenizer
+from tlm_io.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+                            publish, save_errors)
+from tlm_io.perplexity import nll_sum
+from tlm_io.sizes import check_model_size
 
 from . import state_io
 from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
@@ -150,8 +153,6 @@ def _seed_everything(seed: int) -> None:
 
 def build_model_and_tokenizer(recipe: Recipe):
     """(TLMForCausalLM, tokenizer): from scratch (``model``) or from ``init_from`` (any supported checkpoint)."""
-    from tlm import TLMConfig, TLMForCausalLM
-
     if recipe.model is not None:
         tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
         kwargs = dict(recipe.model.config)
@@ -180,10 +181,6 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
     runs the folder's own code only with ``trust_remote_code``."""
-    from tlm_convert.errors import ConversionError
-    from tlm_convert.load import load_model
-    from tlm_convert.load import load_tokenizer as source_tokenizer
-
     try:
         model, _, src = load_model(path, with_tokenizer=False, trust_remote_code=trust_remote_code)
     except ConversionError as err:
@@ -649,8 +646,6 @@ class _Run:
     def _write_model(self, folder: Path, weights: dict) -> None:
         """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
         from transformers.utils import logging as hf_logging
-
-        from tlm_convert.export import export_model
 
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
         export_model((self.model_config, {k: v.detach().cpu() for k, v in weights.items()}), folder, "tlm")

@@ -18,7 +18,7 @@ here:
 * :func:`save_errors` turns a full disk or any other OSError of the save phase into one line: what, where, how
   much was needed.
 
-Library code raises :class:`~tlm_convert.errors.ConversionError`; the command line prints it.
+Library code raises :class:`~tlm_io.errors.ConversionError`; the command line prints it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConversionError
+from .errors import ConversionError, first_few
 
 logger = logging.getLogger(__name__)
 
@@ -350,8 +350,6 @@ def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output
     pattern = re.compile(rf"^(?:{ours})$")
     foreign = sorted(name for name in names if not pattern.match(name))
     if foreign:
-        from .errors import first_few
-
         raise ConversionError(f"{option} {folder} holds files a run did not write ({first_few(foreign)}), which it "
                               f"could overwrite or clean up; choose a new or empty folder for {option}")
 

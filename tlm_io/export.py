@@ -31,8 +31,9 @@ import torch
 from tlm import TLMConfig, TLMForCausalLM
 
 from .archs import SUPPORTED_ARCHITECTURES
-from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict
+from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict, load_source
 from .errors import ConversionError, one_line
+from .gguf_export import GGUF_FILE, write_gguf
 from .hf_layout import (
     STOCK_CLASSES,
     WIDTH_KEY,
@@ -46,6 +47,7 @@ from .hf_layout import (
     with_widths,
 )
 from .load import load_tokenizer
+from .outputs import OutputLock, check_output_path, staged
 
 FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
@@ -73,8 +75,6 @@ def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None,
     elif fmt == "deci":
         _export_deci(config, state_dict, out, source, max_shard_size)
     elif fmt == "gguf":  # one file for llama.cpp: gguf_export.py
-        from .gguf_export import GGUF_FILE, write_gguf
-
         tokenizer = None if source is None else load_tokenizer(source)
         write_gguf(config, state_dict, out / GGUF_FILE, tokenizer, gguf_type, name=_model_name(source))
     else:
@@ -111,9 +111,6 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
 
     ``weight_type``: f32 / f16 / bf16 (every format) or q8_0 (gguf only); default f32.
     """
-    from .checkpoint import load_source
-    from .outputs import OutputLock, check_output_path, staged
-
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
     if weight_type is not None and weight_type not in dtypes and not (fmt == "gguf" and weight_type == "q8_0"):
         raise ConversionError(f"weight type {weight_type!r} is not available for --to {fmt}; use one of "

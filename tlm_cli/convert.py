@@ -1,119 +1,26 @@
-"""Command-line interface: ``tlm-convert`` (also ``tlm convert``, in the ``tlm`` group of tlm_train.cli) and the
-helpers every command uses (one-line errors and usage errors, quiet libraries). Only the CLI modules print."""
+"""``tlm-convert`` (also ``tlm convert``, in the ``tlm`` group of tlm_cli.main): the options, progress on stderr and
+the summary of a conversion (tlm_convert.convert). Only the CLI modules print."""
 
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import click
 
 from tlm import SCHEDULES
+from tlm_convert.convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions, convert
+from tlm_convert.evalsets import perplexity_lines
+from tlm_convert.importance import METRICS
+from tlm_convert.reconstruct import TOKEN_WEIGHTINGS
+from tlm_convert.surgery import GROW_INITS
+from tlm_io.checkpoint import resolve_builtin
+from tlm_io.export import FORMATS
+from tlm_io.outputs import temp_prefix
 
-from .checkpoint import resolve_builtin
-from .convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions
-from .errors import ConversionError, one_line
-from .export import FORMATS
-from .importance import METRICS
-from .outputs import temp_prefix
-from .reconstruct import TOKEN_WEIGHTINGS
-from .surgery import GROW_INITS
-
-DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
-
-
-def fail(message: str, code: int = 1) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def _message(err: BaseException) -> str:
-    """One line for any exception: its message (multi-line reports joined), else its type."""
-    return one_line(err) or type(err).__name__
-
-
-def report_failure(err: BaseException) -> None:
-    """Print ``err`` as one ``error:`` line and exit non-zero (never a traceback, unless TLM_DEBUG is set).
-
-    Expected failures (ConversionError, bad values, file-system errors) print their message; anything else is a
-    bug and says so, with the way to get the traceback.
-    """
-    if isinstance(err, KeyboardInterrupt):
-        fail("interrupted", code=130)
-    if isinstance(err, (ConversionError, ValueError, OSError)):
-        fail(_message(err))
-    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
-        raise err
-    fail(f"internal error: {type(err).__name__}: {_message(err)} (set {DEBUG_ENV}=1 for the traceback and please "
-          "report it)")
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings as one ``warning:`` line on stderr (no source line)."""
-    click.echo(f"warning: {one_line(message)}", err=True)
-
-
-def quiet_libraries() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    warnings.showwarning = _show_warning
-
-
-def check_positive(**values: int) -> None:
-    """ConversionError naming the first option (``seq_len=...`` is --seq-len) that is not a positive integer."""
-    for name, value in values.items():
-        if value < 1:
-            raise ConversionError(f"option --{name.replace('_', '-')} must be a positive integer, got {value}")
-
-
-def _check_device(device: str) -> None:
-    """A clear error for a device string torch does not know or a device this machine does not have."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ConversionError(f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConversionError(f"option --device {device}: CUDA is not available (this torch build or machine "
-                                  "has no GPU); use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConversionError(f"option --device {device}: this machine has {torch.cuda.device_count()} CUDA "
-                                  f"device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConversionError(f"option --device {device}: MPS is not available on this machine; use --device cpu")
-
-
-class _OneLineUsageError(click.ClickException):
-    """A usage error (bad flag value, missing argument) as one ``error:`` line, like every other refusal."""
-
-    exit_code = 2
-
-    def __init__(self, message: str, command_path: str):
-        super().__init__(message)
-        self.command_path = command_path
-
-    def show(self, file=None) -> None:
-        message = one_line(self.format_message()).rstrip(".")
-        click.echo(f"error: {message} (see '{self.command_path} --help')", err=True)
-
-
-class OneLineCommand(click.Command):
-    """click.Command whose usage errors are one line (click prints usage, a hint and the error otherwise)."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as err:
-            path = err.ctx.command_path if err.ctx is not None else (info_name or self.name or "tlm-convert")
-            raise _OneLineUsageError(err.format_message(), path) from None
+from .common import OneLineCommand, check_device, quiet_libraries, report_failure
 
 
 class _OutputGuard:
@@ -221,11 +128,9 @@ def convert_main(input_model, output, export_format, **kwargs):
     bar = _PhaseBars()
     guard = _OutputGuard(output)
     try:
-        from .convert import convert
-
         quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
-        _check_device(options.device)
+        check_device(options.device)
         _return_freed_memory()
         report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
@@ -278,8 +183,6 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"widths: {report['widths_before'][0]} x {len(report['widths_before'])} -> "
                f"{report['widths_after'][0]} .. {report['widths_after'][-1]} ({report['schedule']})")
     if "perplexity_before" in report:
-        from .evalsets import perplexity_lines
-
         for line in perplexity_lines(report):
             click.echo(f"perplexity {line}")
     if "heal" in report:
@@ -290,4 +193,4 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
 
 
-__all__ = ["convert_main", "OneLineCommand", "fail", "quiet_libraries", "report_failure", "check_positive"]
+__all__ = ["convert_main"]

@@ -13,7 +13,7 @@
   ``HF_HUB_OFFLINE`` is set.
 
 and returns a :class:`Source`: the source config, the TLMConfig that mirrors it exactly and the state dict under
-TLM names. Every problem is a :class:`~tlm_convert.errors.ConversionError` with a one-line message: missing path,
+TLM names. Every problem is a :class:`~tlm_io.errors.ConversionError` with a one-line message: missing path,
 folder without ``config.json``, config without weights, corrupt or truncated files, unsupported architectures,
 settings TLM cannot reproduce, NaN/Inf weights (the first bad tensor is named).
 

@@ -12,6 +12,7 @@ from tlm.modules import RotaryEmbedding, rope_inv_freq
 
 from .checkpoint import load_source, resolve_builtin
 from .errors import ConversionError
+from .gguf_export import restore_digit_split
 from .remote_code import auto_tokenizer
 
 
@@ -36,8 +37,6 @@ def load_tokenizer(src):
     path, kwargs = found
     tokenizer = auto_tokenizer(path, **kwargs)
     if "gguf_file" in kwargs:
-        from .gguf_export import restore_digit_split
-
         restore_digit_split(tokenizer, Path(path) / kwargs["gguf_file"])
     return tokenizer
 
