@@ -345,10 +345,11 @@ MAX_JSON_BYTES = 64 << 20  # config.json, index and other JSON side files: real 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer file: the largest real tokenizer.json is about 35 MB
 
 
-def read_bounded(file: str | os.PathLike, limit: int, what: str = "file") -> bytes:
+def read_bounded(file: str | os.PathLike, limit: int, what: str = "file", content: bool = True) -> bytes:
     """The bytes of ``file``, a regular file (a symlink is followed: its target is data too) of at most ``limit``
     bytes, its size checked before anything is read. A pipe, device or socket in its place (which would block or
-    never end) and a larger file are ConversionErrors naming it; nothing is read from them."""
+    never end) and a larger file are ConversionErrors naming it; nothing is read from them. ``content=False``: the
+    checks only (b"" returned)."""
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
@@ -362,7 +363,7 @@ def read_bounded(file: str | os.PathLike, limit: int, what: str = "file") -> byt
         if info.st_size > limit:
             raise ConversionError(f"{what} '{file}' is {human_bytes(info.st_size)}, more than the "
                                   f"{human_bytes(limit)} such a file can take; it is not a real one: re-download it")
-        chunks, left = [], limit + 1
+        chunks, left = [], limit + 1 if content else 0
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 24))
             if not chunk:

@@ -42,7 +42,7 @@ def check_tokenizer_files(path) -> None:
         file = folder / name
         if not os.path.lexists(file):
             continue
-        data = read_bounded(file, MAX_TOKENIZER_BYTES, "tokenizer file")
+        data = read_bounded(file, MAX_TOKENIZER_BYTES, "tokenizer file", content=name.endswith(".json"))
         if not name.endswith(".json"):
             continue
         value = parse_json(data, file, "tokenizer file")
