@@ -488,3 +488,14 @@ def test_sigterm_during_a_heal_exits_143_with_its_line(source, tmp_path, monkeyp
     line = _one_error_line(res)
     assert "stopped by SIGTERM during the heal" in line and "nothing was written" in line, line
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("reason, code", [("SIGTERM", 143), ("STOP", 143), ("SIGINT", 130)])
+def test_a_stopped_run_is_one_line_with_128_plus_the_signal(reason, code, capsys):
+    from tlm_cli.common import report_failure
+    from tlm_io.errors import Stopped
+
+    with pytest.raises(SystemExit) as exit_:
+        report_failure(Stopped(reason, "calibrate"), stopped="nothing was written")
+    assert exit_.value.code == code
+    assert capsys.readouterr().err == f"error: stopped by {reason} during calibrate; nothing was written\n"

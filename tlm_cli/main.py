@@ -27,7 +27,7 @@ from tlm_train.prepare import prepare_data
 from tlm_train.recipe import load_recipe
 from tlm_train.trainer import train
 
-from .common import OneLineCommand, check_positive, quiet_libraries, report_failure
+from .common import STOPPED_EXIT, OneLineCommand, check_positive, quiet_libraries, report_failure
 from .convert import convert_main
 
 
@@ -126,9 +126,6 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
     click.echo(f"pearson r(depth, rho): h {fmt(result.h.pearson_r)}, z {fmt(result.z.pearson_r)} "
                f"({result.n_tokens} tokens per layer, {result.seconds:.1f}s)")
 
-
-
-STOPPED_EXIT = {"SIGTERM": 143, "STOP": 143, "SIGINT": 130}  # 128 + signal number; the STOP file counts as SIGTERM
 
 
 @tlm_main.command("train", cls=OneLineCommand)

@@ -226,12 +226,14 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
     check_free_space(out.parent, need)  # before the calibration, not after it
     calib = samples = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
     if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
-        check_calibration_memory(opts, src.tlm_config)  # before a token is sampled or a hidden state carried
+        if SELF in opts.calibration_data:  # before a token is sampled (text is cut to what there is: checked below)
+            check_calibration_memory(opts.calibration_tokens, opts, src.tlm_config)
         with timer("sample" if SELF in opts.calibration_data else "load"):
             calib, samples = calibration_blocks(tokenizer, opts.calibration_data, opts.seq_len,
                                                 opts.calibration_tokens, model, opts.seed,
                                                 progress=timer.on_phase is not None, limits=limits)
         check_token_ids(calib, src.tlm_config.vocab_size, "the calibration data (tokenized)")
+        check_calibration_memory(calib.numel(), opts, src.tlm_config)  # before a hidden state is carried
     report = report_head(src, opts, widths, calib)
     report["notes"] = list(src.notes) + notes
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
@@ -324,14 +326,15 @@ def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, repo
     return report
 
 
-def check_calibration_memory(opts: ConvertOptions, config) -> None:
-    """Refuse --calibration-tokens whose carried state cannot fit in memory, before any of it is made: per token its
-    id (8 bytes) and the hidden states the layer loop carries (fp32, two streams with the residual refit target)."""
+def check_calibration_memory(tokens: int, opts: ConvertOptions, config) -> None:
+    """Refuse ``tokens`` calibration tokens whose carried state cannot fit in memory, before any of it is made: per
+    token its id (8 bytes) and the hidden states the layer loop carries (fp32, two streams with the residual refit
+    target)."""
     streams = 2 if opts.refit_target == "residual" else 1
-    need = opts.calibration_tokens * (8 + 4 * streams * config.hidden_size)
+    need = tokens * (8 + 4 * streams * config.hidden_size)
     free = available_memory()
     if need > free:
-        raise ConversionError(f"--calibration-tokens {opts.calibration_tokens} needs about {human_bytes(need)} for the "
+        raise ConversionError(f"--calibration-tokens {tokens} needs about {human_bytes(need)} for the "
                               f"calibration's hidden states ({streams} x {config.hidden_size} fp32 a token), more than "
                               f"the {human_bytes(free)} of available memory; lower --calibration-tokens")
 
@@ -397,6 +400,7 @@ def rss_mb() -> float | None:
 
 
 __all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "resolve_importance", "report_head",
-           "PhaseTimer", "PHASES", "check_calibration_memory", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
+           "PhaseTimer", "PHASES", "check_calibration_memory", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS",
+           "DEFAULT_CALIBRATION",
            "SAMPLES_FILE"]
 
