@@ -34,4 +34,8 @@ class ConversionError(ValueError):
         super().__init__(one_line(message))
 
 
-__all__ = ["ConversionError", "first_few", "one_line"]
+class TrainError(RuntimeError):
+    """A run that cannot start or continue (bad checkpoint, mismatched resume, ...): one line saying what to do."""
+
+
+__all__ = ["ConversionError", "TrainError", "first_few", "one_line"]
