@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 
 from tlm import TLMConfig, TLMForCausalLM
-from tlm_io.errors import ConversionError, TrainError
-from tlm_io.load import load_model, load_tokenizer as source_tokenizer
+from tlm_io.errors import ConversionError, RecipeError, TrainError
+from tlm_io.load import load_model, load_tokenizer
 from tlm_io.sizes import check_model_size
 
-from .data import load_tokenizer
-from .recipe import DistillSpec, Recipe, RecipeError, TrainSpec
+from .recipe import DistillSpec, Recipe, TrainSpec
 
 
 def build_model_and_tokenizer(recipe: Recipe):
@@ -63,7 +62,7 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
         return model, load_tokenizer(tokenizer_name, trust_remote_code)
     if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    return model, source_tokenizer(src)
+    return model, load_tokenizer(src)
 
 
 def student_and_tokenizer(recipe: Recipe, model=None, tokenizer=None):

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 import yaml
 
-from tlm_io.errors import ConversionError, TrainError, first_few
+from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
 from tlm_io.export import export_model
 from tlm_io.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
                             publish, save_errors)
 
 from . import state_io
 from .distributed import Dist, full_optim_state, full_state_dict, load_full_state, unwrap
-from .recipe import Recipe, RecipeError, recipe_from_dict
+from .recipe import Recipe, recipe_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def read_trainer_state(path: Path) -> dict:
         int(state["step"])
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise state_io.StateError(f"{file} cannot be read ({type(err).__name__})") from None
+        raise StateError(f"{file} cannot be read ({type(err).__name__})") from None
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -237,7 +237,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             weights.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error type
-            raise state_io.StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+            raise StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
     return weights
 
 
@@ -362,7 +362,7 @@ class CheckpointStore:
         to this run; returns its step."""
         try:
             return self._restore(path)
-        except state_io.StateError as err:
+        except StateError as err:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 

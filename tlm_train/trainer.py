@@ -54,12 +54,13 @@ from tlm import TLMForCausalLM
 from tlm.slow import SlowLevels
 from tlm_io.errors import ConversionError, TrainError
 from tlm_io.perplexity import nll_sum
+from tlm_io.text import to_blocks
 
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, load_pretrained, lr_factor,
                     make_optimizer, prepare_student, restore_student, select_trainable, student_and_tokenizer)
 from .checkpoints import (STOP_FILE, CheckpointStore, fingerprint, list_checkpoints, lock_run_folder, resume_path,
                           seed_everything)
-from .data import BatchOrder, TokenBlocks, micro_batch_loader, recipe_tokens, to_blocks
+from .data import BatchOrder, TokenBlocks, micro_batch_loader, recipe_tokens
 from .distributed import Dist, setup_distributed, unwrap, wrap
 from .losses import Distillation, distill_loss, hidden_loss, lm_loss
 from .metrics import MetricsLog, write_summary
