@@ -240,7 +240,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
             report["calibration_samples"] = {"file": SAMPLES_FILE, "blocks": len(samples)}
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
             final = heal(final, source, src, tmp, opts, evalb, report, timer,
-                         samples=None if samples is None else tmp / SAMPLES_FILE)
+                         samples=None if samples is None else tmp / SAMPLES_FILE, tokenizer=tokenizer)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 
