@@ -19,6 +19,7 @@ from tlm_io.errors import ConversionError, RecipeError, TrainError
 from tlm_io.load import load_model, load_tokenizer
 from tlm_io.sizes import check_model_size
 
+from .prepare import recipe_tokenizer
 from .recipe import DistillSpec, Recipe, TrainSpec
 
 
@@ -67,7 +68,8 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
 
 def student_and_tokenizer(recipe: Recipe, model=None, tokenizer=None):
     """(student, tokenizer) of a run: the recipe's (:func:`build_model_and_tokenizer`), or ``model`` passed in
-    memory with ``tokenizer`` (else the recipe's ``tokenizer:``; the module carries none)."""
+    memory with ``tokenizer`` (else the recipe's: ``tokenizer:``, or init_from's tokenizer files; the module carries
+    none)."""
     if model is None:
         if tokenizer is not None:
             raise TypeError("train(): tokenizer= goes with model= (a recipe's model brings its own tokenizer)")
@@ -75,12 +77,7 @@ def student_and_tokenizer(recipe: Recipe, model=None, tokenizer=None):
     if not isinstance(model, TLMForCausalLM):
         raise TypeError(f"train(): model must be a TLMForCausalLM, got {type(model).__name__} (pass resume= and "
                         "progress= by keyword)")
-    if tokenizer is None:
-        if recipe.tokenizer is None:
-            raise TrainError("train(model=...): pass tokenizer= (the module's tokenizer) or set tokenizer: in the "
-                             "recipe")
-        tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
-    return model, tokenizer
+    return model, recipe_tokenizer(recipe) if tokenizer is None else tokenizer
 
 
 def prepare_student(model, spec: TrainSpec, device: torch.device) -> dict:

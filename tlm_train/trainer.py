@@ -30,12 +30,13 @@ named ``STOP`` in output_dir, end the run at the next step boundary with a check
 the run (tlm_io.outputs.OutputLock): a second run into it is refused.
 
 A caller may pass the student (and the teacher) as modules already in memory: ``train(recipe, model, teacher,
-tokenizer=...)``. The run then starts from ``model`` (recipe.init_from is not read; it stays in recipe.yaml as the
-record of where the module came from) and distils from ``teacher`` (recipe.distill.teacher likewise). The caller
-takes the trained module back (``TrainResult.model``, as every run returns it), so such a run writes no ``final/``
-and no checkpoint at its end beyond what ``log.save_every`` asks for; a stop (signal, STOP file) still writes one,
-and ``resume`` works as for any run. The module is trained in place: it comes back on the run's device, in eval
-mode, with its KV-cache setting and each parameter's requires_grad as it was given.
+tokenizer=...)``. The run then starts from ``model`` (recipe.init_from's weights are not read; it stays in
+recipe.yaml as the record of where the module came from, and its tokenizer files serve when no tokenizer is given)
+and distils from ``teacher`` (recipe.distill.teacher is not read either). The caller takes the trained module back
+(``TrainResult.model``, as every run returns it), so such a run writes no ``final/`` and no checkpoint at its end
+beyond what ``log.save_every`` asks for; a stop (signal, STOP file) still writes one, and ``resume`` works as for
+any run. The module is trained in place: it comes back on the run's device, in eval mode, with its KV-cache setting
+and each parameter's requires_grad as it was given.
 """
 
 from __future__ import annotations
@@ -314,8 +315,9 @@ def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCa
     checkpoint path). Works the same under torchrun (one call per process).
 
     ``model``: the student, a TLMForCausalLM already in memory, trained in place and returned in the result (no
-    ``final/`` is written; ``tokenizer``, or the recipe's ``tokenizer:``, reads the data); ``teacher``: the
-    distillation teacher in memory instead of recipe.distill.teacher (see the module doc)."""
+    ``final/`` is written; ``tokenizer`` reads the data, else the recipe's: tokenizer:, or init_from's tokenizer
+    files); ``teacher``: the distillation teacher in memory instead of recipe.distill.teacher (see the module
+    doc)."""
     threads = torch.get_num_threads()
     run = None
     try:
