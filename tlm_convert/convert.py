@@ -44,7 +44,7 @@ from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
-MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
+MIXER_CHOICES = tuple(MIXERS)  # --mixer: the mixer every layer gets (attention keeps the source's)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
 DEFAULT_CALIBRATION = ("default", SELF)  # the bundled mix and the model's own samples, equal shares
