@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_cli.convert import convert_main
@@ -22,7 +23,7 @@ from tlm_convert import heal as heal_module
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_io.load import load_model
 from tlm_io.text import token_blocks
-from tlm_train.trainer import distill_loss
+from tlm_train.trainer import distill_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
 # a lossy conversion of the tiny source (no refit, a steep taper), so that distillation has something to recover
@@ -109,6 +110,37 @@ def test_zero_heal_tokens_is_exactly_the_plain_conversion(source, tmp_path):
     da.pop("report.md"), db.pop("report.md")  # they differ in the seconds only
     assert da == db and "heal" not in a and "heal" not in b
     assert not (tmp_path / "b" / "heal").exists()
+
+
+def test_the_heal_in_memory_trains_what_the_heal_through_the_disk_trained(source, tmp_path, fast_lr):
+    """The heal hands the converted model and the source to the trainer in memory. Heals used to cross the disk:
+    the conversion written out, tlm train from it (init_from) with the source as distill.teacher, final/ read back.
+    That path trains the same tensors (max |diff| 0): both start from the same fp32 weights and buffers and see the
+    same batches, and nothing the trainer computes depends on where a module came from."""
+    plain, healed = tmp_path / "plain", tmp_path / "healed"
+    convert(str(source), str(plain), ConvertOptions(**_options()))
+    convert(str(source), str(healed), ConvertOptions(**_options(), heal_tokens=1024))
+    recipe = heal_module.heal_recipe(str(plain), str(source), str(DATA), 1024, str(tmp_path / "disk"), 64,
+                                     cache_dir=str(tmp_path / "tokens"))
+    through_disk = load_file(Path(train(recipe).final_dir) / "model.safetensors")
+    in_memory, start = load_file(healed / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert in_memory.keys() == through_disk.keys() == start.keys()
+    assert max(float((in_memory[k] - through_disk[k]).abs().max()) for k in start) == 0.0
+    assert any(not torch.equal(in_memory[k], start[k]) for k in start)  # the heal moved the weights
+    # the trainer's run folder is the log OUT keeps: no checkpoint, no final/ (the module came back in memory)
+    assert sorted(p.name for p in (healed / "heal").iterdir()) == ["metrics.jsonl", "recipe.yaml",
+                                                                   "run_summary.json"]
+
+
+def test_a_healed_conversion_is_written_as_the_plain_one_is(source, tmp_path):
+    """The heal changes the weights only: the healed model is written in --dtype with the plain conversion's
+    config (the trainer's training-time settings, such as use_cache off, stay out of it)."""
+    for name, tokens in (("plain", 0), ("healed", 256)):
+        convert(str(source), str(tmp_path / name), ConvertOptions(**_options(), dtype="bfloat16", heal_tokens=tokens))
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("plain", "healed")]
+    assert configs[0] == configs[1] and configs[1]["use_cache"] is True
+    weights = load_file(tmp_path / "healed" / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
 
 
 def _options() -> dict:

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 import tlm_train.data as data_module
 from tlm_io.load import byte_tokenizer
 from tlm_train.data import BatchOrder, tokenize_cached
 from tlm_train.recipe import RecipeError, load_recipe, recipe_from_dict
-from tlm_train.trainer import TrainError, distill_loss, hidden_loss, list_checkpoints, lr_factor, train
+from tlm_train.trainer import (TrainError, distill_loss, hidden_loss, list_checkpoints, load_pretrained, lr_factor,
+                                 train)
 
 DATA = Path(__file__).parent / "data" / "shakespeare_slice.txt"
 ROOT = Path(__file__).parent.parent
@@ -321,6 +323,41 @@ def test_distillation_of_the_residual_streams_adds_to_the_first_loss(tmp_path):
         train(recipe_from_dict(narrow))
     with pytest.raises(RecipeError, match="distill.hidden_weight: must be >= 0"):
         recipe_from_dict(tiny_recipe(tmp_path, distill={"teacher": teacher, "hidden_weight": -1.0}))
+
+
+def test_modules_in_memory_train_as_the_checkpoints_they_were_read_from(tmp_path):
+    """train(recipe, model, teacher) starts from the modules it is given, not from init_from / distill.teacher: the
+    same losses and weights as the run that reads those checkpoints. The caller takes the module back (trained in
+    place, its flags as given), so no final/ is written, and no checkpoint beyond what log.save_every asks for."""
+    base = train(recipe_from_dict(tiny_recipe(tmp_path, "base", train={"max_steps": 2})))
+    teacher_run = train(recipe_from_dict(tiny_recipe(tmp_path, "teacher", seed=5, train={"max_steps": 3})))
+    teacher_dir = str(teacher_run.final_dir)
+
+    def recipe(name, save_every=100):
+        spec = tiny_recipe(tmp_path, name, train={"max_steps": 4, "trainable": ["model.layers.*"]},
+                           distill={"teacher": teacher_dir, "alpha": 0.5}, log={"save_every": save_every})
+        del spec["model"]
+        spec["init_from"] = str(base.final_dir)
+        return recipe_from_dict(spec)  # tokenizer: byte
+
+    from_disk = train(recipe("disk"))
+    student, _ = load_pretrained(str(base.final_dir), with_tokenizer=False)
+    teacher, _ = load_pretrained(teacher_dir, with_tokenizer=False)
+    student.config.use_cache = True  # final/ was written by a run (use_cache off); the trainer gives it back as given
+    memory = recipe("memory")
+    memory.tokenizer = None  # init_from's tokenizer files (byte, saved in final/) read the data
+    in_memory = train(memory, student, teacher)
+    assert in_memory.model is student and in_memory.losses == from_disk.losses
+    trained = student.state_dict()
+    for name, tensor in load_file(str(Path(from_disk.final_dir) / "model.safetensors")).items():
+        assert torch.equal(trained[name], tensor), name
+    assert in_memory.final_dir is None and not (tmp_path / "memory" / "final").exists()
+    assert list_checkpoints(tmp_path / "memory") == [] and len(list_checkpoints(tmp_path / "disk")) == 1
+    assert not student.training and student.config.use_cache and all(p.requires_grad for p in student.parameters())
+    saved = train(recipe("every2", save_every=2), student, teacher)  # 4 steps: checkpoints 2 and 4
+    assert [p.name for p in list_checkpoints(saved.output_dir)] == ["checkpoint-2", "checkpoint-4"]
+    with pytest.raises(TrainError, match="no distill: section"):
+        train(recipe_from_dict(tiny_recipe(tmp_path, "plain")), student, teacher)
 
 
 def _torchrun(tmp_path, recipe: dict, nproc: int = 2) -> subprocess.CompletedProcess:

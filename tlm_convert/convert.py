@@ -266,7 +266,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
             report["calibration_samples"] = {"file": SAMPLES_FILE, "blocks": len(samples)}
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
             final = heal(final, source, src, tmp, opts, evalb, report, timer,
-                         samples=None if samples is None else tmp / SAMPLES_FILE, limits=limits)
+                         samples=None if samples is None else tmp / SAMPLES_FILE, limits=limits, tokenizer=tokenizer)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 

@@ -1,20 +1,24 @@
 """``tlm-convert --heal-tokens N``: logit distillation from the source right after the conversion.
 
 The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input
-checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: checkpoints,
-metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (bench/RESULTS.md "Heal" has the runs behind it;
-recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file, generated from it). The learning rate is constant after a
-short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run);
-recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
+checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: metrics.jsonl,
+progress, signals) with the recipe :data:`HEAL_RECIPE` (bench/RESULTS.md "Heal" has the runs behind it;
+recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file, generated from it). The learning rate
+is constant after a short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads
+one run); recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
 
-Everything is written inside the conversion's temporary folder (tlm_io.outputs.staged), so a failed or killed
-heal leaves OUTPUT untouched::
+The student and the teacher stay in memory: the converted model is handed to the trainer (in fp32, the trainer's
+master weights: :func:`fp32_student`) and comes back trained, then in the conversion's dtype; the source is loaded
+once more as the teacher (the conversion resized its own copy in place). No model crosses the disk. What is
+written goes inside the conversion's temporary folder (tlm_io.outputs.staged), so a failed or killed heal leaves
+OUTPUT untouched::
 
-    .OUT.tmp-XXXX/heal-work/converted/   the converted model before healing (the student's start, TLM format)
     .OUT.tmp-XXXX/heal-work/heal-data.txt  the calibration sources' text in one file (when there are several, or
                                          ``self`` samples: calibration_samples.txt)
     .OUT.tmp-XXXX/heal-work/tokens/      the heal data's token cache
-    .OUT.tmp-XXXX/heal-work/train/       the training run (checkpoints, metrics.jsonl, final/)
+    .OUT.tmp-XXXX/heal-work/train/       the training run: recipe.yaml, metrics.jsonl, run_summary.json (no final/;
+                                         checkpoints only every log.save_every steps, which the heal sets beyond
+                                         any heal, or when a signal or STOP file stops it)
 
 On success the work folder is removed and OUT/heal/ keeps the run's metrics.jsonl, recipe.yaml and
 run_summary.json; the healed weights are what OUT gets, in the requested format.
@@ -28,9 +32,10 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from tlm_io.errors import ConversionError, RecipeError, Stopped, TrainError
-from tlm_io.export import export_model
-from tlm_io.load import load_model
+from tlm_io.load import load_model, load_tokenizer, materialize
 from tlm_io.perplexity import perplexity
 from tlm_io.text import load_text
 from tlm_train.recipe import recipe_from_dict
@@ -84,8 +89,10 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
                 device: str = "cpu", trust_remote_code: bool = False, progress: bool = False,
                 overrides: tuple[str, ...] = (), cache_dir: str | None = None):
     """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data`` (one source:
-    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (``precision: auto``: faster steps at the
-    same heal quality; bench/RESULTS.md), else fp32.
+    :func:`heal_data`) from ``student`` (init_from) to ``teacher`` (distill.teacher), in bf16 autocast where that is
+    fast on ``device`` (``precision: auto``: faster steps at the same heal quality; bench/RESULTS.md), else fp32.
+    :func:`heal` passes the source as both: its student is the source's conversion, handed to the trainer in memory
+    (init_from is then the record of where it came from).
     ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:
     the token cache (None: tlm train's default)."""
     spec = copy.deepcopy(HEAL_RECIPE)
@@ -123,31 +130,36 @@ def heal_data(sources: str | tuple[str, ...] | list[str], samples: Path | None, 
 
 
 def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, samples: Path | None = None,
-         limits=None):
-    """Distil the converted ``model`` from ``teacher`` for ``opts.heal_tokens`` tokens inside ``tmp`` (the
-    conversion's temporary folder); return the healed TLMForCausalLM. Adds ``report["heal"]`` and, with
-    evaluation sets, each set's perplexity after healing. Stopped (a KeyboardInterrupt) when the run was stopped
-    (SIGINT, SIGTERM or a STOP file): OUTPUT is then left as it was. ``samples``: the text of the ``self`` calibration
-    source, when it is one. ``limits``: a tlm_convert.budget.Limits: the heal's time, measured on its first steps,
-    is said aloud when long and refused above the limit (before the rest of the steps run)."""
+         limits=None, tokenizer=None):
+    """Distil the converted ``model`` (a TLMForCausalLM) from the source ``teacher`` (its path or name) for
+    ``opts.heal_tokens`` tokens inside ``tmp`` (the conversion's temporary folder); return the healed
+    TLMForCausalLM (in ``opts.dtype`` on ``opts.device``; in fp32 it shares ``model``'s tensors). Adds
+    ``report["heal"]`` and, with evaluation sets, each set's perplexity after healing. Stopped (a
+    KeyboardInterrupt) when the run was stopped (SIGINT, SIGTERM or a STOP file): OUTPUT is then left as it was.
+    ``samples``: the text of the ``self`` calibration source, when it is one; ``tokenizer``: the source's (read from
+    ``src`` when None). ``limits``: a tlm_convert.budget.Limits: the heal's time, measured on its first steps, is
+    said aloud when long and refused above the limit (before the rest of the steps run)."""
     work = tmp / WORK_DIR
     with timer("heal"):
-        student = export_model(model, work / "converted", "tlm", src)
         data = heal_data(opts.calibration_data, samples, work / "heal-data.txt")
-        recipe = heal_recipe(str(student), teacher, data, opts.heal_tokens, str(work / "train"),
+        recipe = heal_recipe(teacher, teacher, data, opts.heal_tokens, str(work / "train"),
                              opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
                              progress=timer.on_phase is not None, cache_dir=str(work / "tokens"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
         budget = None if limits is None else limits.budget(
             "heal", recipe.train.max_steps, f"steps of {tokens_per_step(opts.seq_len):,} tokens", "lower --heal-tokens")
         try:
-            result = train(recipe, on_step=None if budget is None else budget.update)
-        except (TrainError, RecipeError) as err:
+            source, _, _ = load_model(teacher, with_tokenizer=False, trust_remote_code=opts.trust_remote_code)
+            tokenizer = load_tokenizer(src) if tokenizer is None else tokenizer
+            result = train(recipe, fp32_student(model), source, tokenizer=tokenizer,
+                           on_step=None if budget is None else budget.update)
+        except (ConversionError, TrainError, RecipeError) as err:
             message = str(err)  # the heal's time budget names itself already
             raise ConversionError(message if message.startswith("heal:") else f"heal: {message}") from None
+        del source
         if result.stopped:
             raise Stopped(result.stop_reason or "STOP", "the heal")
-        healed, _, _ = load_model(str(result.final_dir), device=opts.device, with_tokenizer=False)
+        healed = result.model.to(dtype=getattr(torch, opts.dtype))
         report["heal"] = {"tokens": result.tokens, "steps": result.steps, "seconds": time.perf_counter() - wall0,
                           "cpu_seconds": time.process_time() - cpu0, "first_loss": result.losses[0],
                           "last_loss": result.losses[-1], "recipe": recipe.to_dict()}
@@ -158,6 +170,13 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
             healed_ppl = {name: perplexity(healed, blocks, opts.batch_size) for name, blocks in evalb.items()}
         report.update(healed_entries(report, healed_ppl))
     return healed
+
+
+def fp32_student(model):
+    """``model`` as the trainer starts from it, as if loaded from disk: fp32 weights (those of a ``--dtype`` bf16 /
+    fp16 conversion upcast; fp32 ones are the same tensors, not copies) and the buffers computed afresh in fp32
+    (the rotary tables of a bf16 model are rounded)."""
+    return materialize(model.config, {k: v.float() for k, v in model.state_dict().items()}).to(model.device)
 
 
 def healed_entries(report: dict, healed: dict[str, float]) -> dict:

@@ -10,7 +10,7 @@ fp32 buffers exist at once; the gradient costs the same two head products per ch
 are not recomputed.
 
 The loss is ``lm_weight * CE + kd_weight * T^2 * KL(softmax(z_t / T) || softmax(z_s / T))``, both terms the mean
-over the N = B * (S - 1) predicted positions, exactly tlm_train.trainer's ``lm_loss`` and ``distill_loss``
+over the N = B * (S - 1) predicted positions, exactly :func:`lm_loss` and :func:`distill_loss` on whole logits
 (tests/test_losses.py pins the equality and the gradients). A term whose weight is 0 is not formed at all.
 
 The teacher may also come as its top-k log-probabilities at temperature T (:func:`teacher_topk`, computed once and
@@ -22,12 +22,17 @@ teacher's without reshaping it: ``(q_j - p_j) / T`` on the k entries, ``q_j (1 -
 Precision follows autocast as an ``nn.Linear`` head would: inside a bf16 autocast region the head products run in
 bf16 (the logits rounded to bf16, then upcast), the softmaxes, the loss and the head's gradient accumulation in
 fp32; outside autocast everything runs in the hidden states' dtype.
+
+:class:`Distillation` is a training step's loss against a teacher: the student's forward pass, the teacher's (or
+its cached top k), :func:`head_loss` and the residual-stream term :func:`hidden_loss`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tlm_io.errors import TrainError
 
 # Positions whose logits are formed at a time: the loss's speed and peak memory against the chunk at SmolLM2's and
 # Gemma 3's vocabularies are in bench/RESULTS.md "Heal step" (the chunk sweep).
@@ -214,4 +219,81 @@ def _top_kl(z_s, idx, logp, n, kd_weight, t):
     return kd_weight * t * t / n * kl.sum(), grad
 
 
-__all__ = ["head_loss", "teacher_topk", "HEAD_CHUNK"]
+# ============================================================================================== whole logits
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; logits (B, S, V), ids (B, S) -> scalar (fp32)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * mean over positions of KL(softmax(teacher/T) || softmax(student/T)); logits (B, S, V)."""
+    t = temperature
+    s_logp = F.log_softmax(student[:, :-1].float() / t, dim=-1).flatten(0, 1)
+    t_logp = F.log_softmax(teacher[:, :-1].float() / t, dim=-1).flatten(0, 1)
+    return F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean") * t * t
+
+
+def hidden_loss(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over layers and tokens of ||h_s - h_t||^2 / ||h_t||^2: the residual stream after every layer (the
+    embeddings, index 0, are skipped), each (B, S, d); relative per token, so the few tokens with very large
+    residual norms (the first position's) weigh as much as any other."""
+    if len(student) != len(teacher):
+        raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth: {len(teacher) - 1} "
+                         f"layers against {len(student) - 1}")
+    losses = []
+    for s, t in zip(student[1:], teacher[1:]):
+        t = t.float()
+        losses.append(((s.float() - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12)).mean())
+    return torch.stack(losses).mean()
+
+
+# ============================================================================================== a training step
+
+
+class Distillation:
+    """The loss of a distillation step: ``(1 - alpha) * LM loss + alpha * (T^2 * KL + hidden_weight * residual-stream
+    loss)`` of a student's forward pass against ``teacher`` (frozen, on the student's device), with the settings
+    of ``spec`` (tlm_train.recipe.DistillSpec). ``cache`` (a tlm_train.teacher_cache.TeacherTopCache, with
+    ``spec.teacher_topk``): the teacher's top k of each block, computed once."""
+
+    def __init__(self, teacher, spec, cache=None):
+        self.teacher, self.spec, self.cache = teacher, spec, cache
+        self.hidden = spec.hidden_weight > 0  # the residual streams are matched too
+
+    def loss(self, forward, student, ids: torch.Tensor) -> torch.Tensor:
+        """The step's loss on ids (B, S) through ``forward`` (the student's, possibly wrapped or compiled; ``student``
+        the module itself); the logit terms formed from the final hidden states and LM heads a chunk of positions
+        at a time (:func:`head_loss`): neither model's (B, S, V) logits exist whole. alpha 1: pure distillation,
+        the LM term is not formed."""
+        d = self.spec
+        # logits_to_keep=1: the student's head runs on the last position only (unused); hidden_states[-1] is the
+        # final normed state the head reads
+        out = forward(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        # (V, d), read after the forward: under FSDP the root module's weights are gathered from then on
+        head = student.get_output_embeddings().weight
+        if self.cache is not None:
+            top = self.cache.top(ids, self._teacher_top)
+            return head_loss(out.hidden_states[-1], head, ids, teacher_top=top, kd_weight=d.alpha,
+                             lm_weight=1 - d.alpha, temperature=d.temperature)
+        with torch.no_grad():
+            teacher_out = self.teacher.model(input_ids=ids, use_cache=False,
+                                             output_hidden_states=self.hidden or None)
+        loss = head_loss(out.hidden_states[-1], head, ids,
+                         teacher_hidden=teacher_out.last_hidden_state,
+                         teacher_head=self.teacher.get_output_embeddings().weight,
+                         kd_weight=d.alpha, lm_weight=1 - d.alpha, temperature=d.temperature)
+        if self.hidden:
+            loss = loss + d.alpha * d.hidden_weight * hidden_loss(out.hidden_states, teacher_out.hidden_states)
+        return loss
+
+    @torch.no_grad()
+    def _teacher_top(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k (indices, log-probabilities) of ids (M, S), each (M, S - 1, k)."""
+        d = self.spec
+        hidden = self.teacher.model(input_ids=ids, use_cache=False).last_hidden_state
+        return teacher_topk(hidden, self.teacher.get_output_embeddings().weight, d.teacher_topk, d.temperature)
+
+
+__all__ = ["head_loss", "teacher_topk", "HEAD_CHUNK", "lm_loss", "distill_loss", "hidden_loss", "Distillation"]

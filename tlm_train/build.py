@@ -1,0 +1,195 @@
+"""What a run trains and how: the student and its tokenizer, the teacher, the trainable parameters, the precision,
+the optimizer and its learning-rate schedule.
+
+The student is built from the recipe (``model:`` from scratch, or ``init_from:`` any checkpoint tlm-convert reads)
+or passed in memory by the caller (tlm_train.trainer.train's ``model``); :func:`prepare_student` makes it trainable
+on the run's device and :func:`restore_student` gives it back as it came (flags only: the weights stay trained).
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+
+from tlm import TLMConfig, TLMForCausalLM
+from tlm_io.errors import ConversionError, RecipeError, TrainError
+from tlm_io.load import check_vocab, load_model, load_tokenizer
+from tlm_io.sizes import check_model_size
+
+from .prepare import recipe_tokenizer
+from .recipe import DistillSpec, Recipe, TrainSpec
+
+
+def build_model_and_tokenizer(recipe: Recipe):
+    """(TLMForCausalLM, tokenizer): from scratch (``model``) or from ``init_from`` (any supported checkpoint)."""
+    if recipe.model is not None:
+        tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
+        kwargs = dict(recipe.model.config)
+        kwargs.setdefault("vocab_size", len(tokenizer))
+        if kwargs["vocab_size"] < len(tokenizer):
+            raise RecipeError(f"model.config.vocab_size {kwargs['vocab_size']} is below the tokenizer's "
+                              f"{len(tokenizer)} tokens; raise it or leave it out")
+        if tokenizer.eos_token_id is not None:
+            kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        try:
+            check_model_size(kwargs, "recipe", prefix="model.config.")  # before a module is built
+        except ConversionError as err:
+            raise RecipeError(str(err)) from None
+        try:
+            config = TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
+                               multiple_of=recipe.model.multiple_of, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise RecipeError(f"model.config: {err}") from None
+        torch.manual_seed(recipe.seed)
+        return TLMForCausalLM(config), tokenizer
+    return load_pretrained(recipe.init_from, recipe.tokenizer, trust_remote_code=recipe.trust_remote_code)
+
+
+def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer: bool = True,
+                    trust_remote_code: bool = False):
+    """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
+    (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
+    runs the folder's own code only with ``trust_remote_code``."""
+    try:
+        model, _, src = load_model(path, with_tokenizer=False, trust_remote_code=trust_remote_code)
+    except ConversionError as err:
+        raise TrainError(str(err)) from None
+    if not with_tokenizer:
+        return model, None
+    if tokenizer_name is not None:
+        tokenizer = load_tokenizer(tokenizer_name, trust_remote_code)
+        try:
+            check_vocab(tokenizer, model.config.vocab_size, tokenizer_name, f"'{path}'")
+        except ConversionError as err:
+            raise TrainError(str(err).replace("use the model's own tokenizer", "set tokenizer: to the model's own "
+                                              "tokenizer (or leave it out)")) from None
+        return model, tokenizer
+    if src.tokenizer_kwargs() is None:
+        raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
+    return model, load_tokenizer(src)
+
+
+def student_and_tokenizer(recipe: Recipe, model=None, tokenizer=None):
+    """(student, tokenizer) of a run: the recipe's (:func:`build_model_and_tokenizer`), or ``model`` passed in
+    memory with ``tokenizer`` (else the recipe's: ``tokenizer:``, or init_from's tokenizer files; the module carries
+    none)."""
+    if model is None:
+        if tokenizer is not None:
+            raise TypeError("train(): tokenizer= goes with model= (a recipe's model brings its own tokenizer)")
+        return build_model_and_tokenizer(recipe)
+    if not isinstance(model, TLMForCausalLM):
+        raise TypeError(f"train(): model must be a TLMForCausalLM, got {type(model).__name__} (pass resume= and "
+                        "progress= by keyword)")
+    return model, recipe_tokenizer(recipe) if tokenizer is None else tokenizer
+
+
+def prepare_student(model, spec: TrainSpec, device: torch.device) -> dict:
+    """Make ``model`` trainable on ``device`` (gradient checkpointing, no KV cache, training mode, the trainable
+    parameters of ``train.trainable``); returns what :func:`restore_student` needs to give it back as it came."""
+    came = {"use_cache": model.config.use_cache, "requires_grad": [p.requires_grad for p in model.parameters()],
+            "checkpointing": spec.gradient_checkpointing}
+    model.to(device)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    if spec.trainable is not None:
+        select_trainable(model, spec.trainable)
+    return came
+
+
+def restore_student(model, came: dict) -> None:
+    """``model`` (trained) in eval mode with the flags :func:`prepare_student` changed set back: KV cache,
+    gradient checkpointing, each parameter's requires_grad. It stays on the run's device."""
+    if came["checkpointing"]:
+        model.gradient_checkpointing_disable()
+    model.config.use_cache = came["use_cache"]
+    for p, flag in zip(model.parameters(), came["requires_grad"]):
+        p.requires_grad_(flag)
+    model.eval()
+
+
+def select_trainable(model, patterns: list[str]) -> int:
+    """Freeze every parameter whose name matches none of ``patterns`` (fnmatch, e.g. ``*.mlp.*``); returns the
+    number of trainable parameters. RecipeError when no parameter matches."""
+    count = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(fnmatchcase(name, pat) for pat in patterns))
+        count += p.numel() if p.requires_grad else 0
+    if count == 0:
+        raise RecipeError(f"train.trainable {patterns}: no parameter name matches (names look like "
+                          f"{next(iter(dict(model.named_parameters())))!r})")
+    return count
+
+
+def check_teacher(teacher, config, spec: DistillSpec) -> None:
+    """TrainError when ``teacher`` cannot teach a student of ``config`` under ``spec`` (vocabulary; depth and width
+    for hidden_weight; teacher_topk within the vocabulary)."""
+    if teacher.config.vocab_size != config.vocab_size:
+        raise TrainError(f"distill.teacher has {teacher.config.vocab_size} vocabulary entries, the student "
+                         f"{config.vocab_size}; distillation needs the same tokenizer")
+    shape = lambda c: (c.num_hidden_layers, c.hidden_size)  # noqa: E731
+    if spec.hidden_weight > 0 and shape(teacher.config) != shape(config):
+        raise TrainError(f"distill.hidden_weight needs a teacher of the student's depth and width: "
+                         f"{shape(teacher.config)} layers x hidden against {shape(config)}; "
+                         "set distill.hidden_weight: 0")
+    if spec.teacher_topk > config.vocab_size:
+        raise TrainError(f"distill.teacher_topk {spec.teacher_topk} is more than the vocabulary "
+                         f"({config.vocab_size}); lower it")
+
+
+def bf16_is_fast(device: str | torch.device) -> bool:
+    """Whether bf16 autocast speeds up training on ``device``: a CUDA device with bf16, or a CPU with bf16 matrix
+    instructions (AVX512-BF16 or AMX in /proc/cpuinfo; False where that cannot be read). Elsewhere bf16 products
+    are emulated and slower than fp32."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if dev.type != "cpu":
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """Multiplier of optim.lr at ``step`` (0-based): linear warmup to 1, then decay to min_lr / lr at max_steps."""
+    o, total = recipe.optim, recipe.train.max_steps
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    floor = o.min_lr / o.lr if o.lr > 0 else 0.0
+    if o.decay == "constant":
+        return 1.0
+    span = max(1, total - o.warmup_steps)
+    t = min(1.0, (step - o.warmup_steps) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay == "cosine" else 1 - t
+    return floor + (1 - floor) * shape
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on the trainable matrices, none on vectors (norms, biases)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model, recipe: Recipe, device: torch.device):
+    """(AdamW over ``model``'s trainable parameters, its LambdaLR schedule of :func:`lr_factor`)."""
+    o = recipe.optim
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  **fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+    return optimizer, scheduler
+
+
+__all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
+           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "param_groups",
+           "make_optimizer"]
