@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .cache import TLMCache
 from .configuration_tlm import MIXERS, TLMConfig
 from .modeling_tlm import TLMForCausalLM, TLMModel, TLMPreTrainedModel
-from .schedule import SCHEDULES, parse_ratio, taper_widths
+from .schedule import SCHEDULES, measured_widths, parse_ratio, taper_widths
 
 __version__ = "0.1.0"
 
@@ -31,5 +31,6 @@ __all__ = [
     "MIXERS",
     "SCHEDULES",
     "taper_widths",
+    "measured_widths",
     "parse_ratio",
 ]

@@ -234,17 +234,36 @@ def bf16_is_fast(device: str | torch.device) -> bool:
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
-    """Multiplier of optim.lr at ``step`` (0-based): linear warmup to 1, then decay to min_lr / lr at max_steps."""
-    o, total = recipe.optim, recipe.train.max_steps
+    """Multiplier of optim.lr at the run's ``step`` (0-based): the schedule's factor at step ``step_offset + step``
+    of its ``schedule_steps`` (default: step_offset + max_steps), times the re-warm ramp over the first
+    ``rewarm_steps``."""
+    o = recipe.optim
+    total = o.schedule_steps or o.step_offset + recipe.train.max_steps
+    factor = schedule_factor(o.step_offset + step, total, o)
+    return factor * (step + 1) / o.rewarm_steps if step < o.rewarm_steps else factor
+
+
+def schedule_factor(step: int, total: int, o) -> float:
+    """Multiplier of ``o.lr`` (an OptimSpec) at ``step`` of a schedule of ``total`` steps: linear warmup to 1, then
+    decay to min_lr / lr at ``total`` (cosine, linear), 1 (constant), or 1 until :func:`wsd_decay_start` and a
+    cosine-shaped decay from there (wsd)."""
     if o.warmup_steps and step < o.warmup_steps:
         return (step + 1) / o.warmup_steps
     floor = o.min_lr / o.lr if o.lr > 0 else 0.0
     if o.decay == "constant":
         return 1.0
-    span = max(1, total - o.warmup_steps)
-    t = min(1.0, (step - o.warmup_steps) / span)
-    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay == "cosine" else 1 - t
+    start = wsd_decay_start(total, o) if o.decay == "wsd" else o.warmup_steps
+    if step < start:
+        return 1.0
+    t = min(1.0, (step - start) / max(1, total - start))
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay in ("cosine", "wsd") else 1 - t
     return floor + (1 - floor) * shape
+
+
+def wsd_decay_start(total: int, o) -> int:
+    """The first step of a wsd schedule's decay: ``total`` less ``decay_fraction`` of it (rounded half up), never
+    inside the warmup."""
+    return max(o.warmup_steps, total - math.floor(o.decay_fraction * total + 0.5))
 
 
 # ============================================================================================== loss
@@ -300,8 +319,9 @@ def _fingerprint(model, recipe: Recipe, world: int) -> dict:
 
 
 # recipe keys a resume may change (the rest must equal the checkpoint's recipe.yaml)
-_RESUMABLE = ("output_dir", "log", "train.max_steps", "train.num_threads", "train.device", "train.compile",
-              "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers", "trust_remote_code")
+_RESUMABLE = ("output_dir", "log", "train.max_steps", "optim.schedule_steps", "train.num_threads", "train.device",
+              "train.compile", "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers",
+              "trust_remote_code")
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -522,9 +542,9 @@ class _Run:
 
     def _check_recipe(self, path: Path) -> None:
         """Refuse a resume whose recipe changes the run (model config, data, optimizer, ...) beyond what a resume
-        may change (:data:`_RESUMABLE`: max_steps, logging, threads, caches); names the differing keys. The
-        checkpoint's recipe is read with today's defaults, so a key added to the format since it was written (at its
-        default) is no change."""
+        may change (:data:`_RESUMABLE`: max_steps and the schedule's length, logging, threads, caches); names the
+        differing keys. The checkpoint's recipe is read with today's defaults, so a key added to the format since it
+        was written (at its default) is no change."""
         try:
             theirs = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -939,5 +959,6 @@ def train(recipe: Recipe, resume: bool | str | None = None, progress: bool | Non
         torch.set_num_threads(threads)  # train.num_threads applies to this run only
 
 
-__all__ = ["train", "TrainResult", "TrainError", "bf16_is_fast", "lr_factor", "select_trainable", "lm_loss",
+__all__ = ["train", "TrainResult", "TrainError", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start",
+           "select_trainable", "lm_loss",
            "distill_loss", "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
