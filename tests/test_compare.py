@@ -16,25 +16,13 @@ from tlm_convert.compare import (CompareSpec, format_tables, paired, parse_seeds
 from tlm_train.recipe import RecipeError, recipe_from_dict
 from tlm_train.trainer import lr_factor
 
-DATA = Path(__file__).parent / "data" / "shakespeare_slice.txt"
+from test_train import metrics, tiny_recipe
 
 
 def tiny_base(tmp_path) -> dict:
-    return {
-        "output_dir": str(tmp_path / "base"), "tokenizer": "byte", "seed": 0,
-        "model": {"schedule": "uniform", "multiple_of": 1,
-                  "config": {"hidden_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4,
-                             "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64}},
-        "data": {"train": str(DATA), "seq_len": 33, "eval_tokens": 660, "cache_dir": str(tmp_path / "cache")},
-        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
-        "train": {"max_steps": 6, "batch_size": 4, "num_threads": 1},
-        "log": {"every": 1, "eval_every": 2, "save_every": 100, "keep_last": 1, "progress": False,
-                "tensorboard": False},
-    }
-
-
-def metrics(folder) -> list[dict]:
-    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    """test_train's tiny recipe: a uniform model, checkpoints only at the end, an evaluation every 2 steps."""
+    return tiny_recipe(tmp_path, "base", seed=0, model={"schedule": "uniform", "multiple_of": 1},
+                       log={"eval_every": 2, "save_every": 100, "keep_last": 1})
 
 
 # ---------------------------------------------------------------------------------------------- parsing

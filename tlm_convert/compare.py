@@ -40,7 +40,8 @@ from pathlib import Path
 import yaml
 
 from tlm import SCHEDULES, parse_ratio
-from tlm_train.recipe import RecipeError, apply_overrides, build_spec, recipe_from_dict
+from tlm_io.errors import RecipeError
+from tlm_train.recipe import apply_overrides, build_spec, recipe_from_dict
 from tlm_train.trainer import list_checkpoints, train, wsd_decay_start
 
 from .convert import ConvertOptions, convert
