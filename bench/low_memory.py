@@ -15,6 +15,8 @@ Usage:
     python bench/low_memory.py                          # full run (10-25 min on 2 busy cores), --workdir /tmp/...
     python bench/low_memory.py --layers 2 --hidden 1024 --intermediate 2816 --vocab 4096   # smoke run
     python bench/low_memory.py --in-memory --layers 4 --json bench/results/in_memory.json   # the default path
+
+SRC and OUT go to --workdir (default: a new folder under the temp dir); the folder is deleted at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +47,9 @@ DATA = ROOT / "tests" / "data" / "shakespeare_slice.txt"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default="/tmp/tlm-lowmem-bench", help="where SRC and OUT are written (then deleted)")
+    p.add_argument("--workdir", default=None,
+                   help="where SRC and OUT are written (then deleted); default: a new folder under the temp dir, so "
+                        "two runs never share one")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=11008)
     p.add_argument("--layers", type=int, default=12)
@@ -253,7 +258,7 @@ def markdown(record: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    work = Path(args.workdir)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tlm-lowmem-bench-"))
     if work.exists():
         shutil.rmtree(work)
     src, out = work / "src", work / "out"

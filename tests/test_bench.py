@@ -2,6 +2,7 @@
 benchmark's command line is one its script accepts, and the --quick paths run."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -27,6 +28,22 @@ def test_committed_results_md_and_readme_table_are_what_the_result_files_give():
     assert report.render() == (ROOT / "bench" / "RESULTS.md").read_text()
     assert report.readme_text() == (ROOT / "README.md").read_text(encoding="utf-8")
     assert bench("report", "--check").returncode == 0
+
+
+def test_the_readme_shows_the_demo_result_files_figures_and_stays_short():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    raw = json.loads((ROOT / "bench" / "results" / "demo.json").read_text())
+    rep = raw["report"]
+    for s in rep["perplexity_sets"]:
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {s['data']} "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert [float(c) for c in cells[1:4]] == [round(s[k], 3) for k in ("before", "after", "ratio")], row
+        if "healed" in s:
+            assert [float(c) for c in cells[4:6]] == [round(s[k], 3) for k in ("healed", "healed_ratio")], row
+    assert f"**x{rep['perplexity_ratio_ood_geomean']:.3f}**" in readme
+    assert f"wall: {raw['wall_s'] // 60:.0f} min {raw['wall_s'] % 60:.0f} s; peak RSS GB: {raw['peak_rss_mb'] / 1024:.1f}" in readme
+    assert "](bench/results/heal_curve.png)" in readme and (ROOT / "bench" / "results" / "heal_curve.png").is_file()
+    assert readme.count("\n") <= 200  # a five-minute read; method details go to docs/
 
 
 def test_results_md_is_short_and_every_section_names_its_command_and_machine():
@@ -67,9 +84,56 @@ def test_the_demo_benchmark_runs_the_readmes_first_command():
     assert [a for a in command if a not in ("-o", "out/smollm2-tlm", "--overwrite")] == README_ARGS
 
 
-@pytest.mark.parametrize("name", ["demo"])
+def _finite_positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def check_throughput(data: dict) -> None:
+    """Both quick models stepped: finite positive step times and tokens/s that are batch x seq / median step, a first
+    loss near ln(vocab) (random weights), and one table row per model with those figures."""
+    shapes = data["shapes"]
+    assert set(data["models"]) == {"tlm_attention", "tlm_titans"} and shapes["tokens_per_step"] == 32
+    for name, m in data["models"].items():
+        assert len(m["step_s"]) == data["measurement"]["timed_rounds"] == 2, name
+        assert all(_finite_positive(t) for t in [*m["step_s"], m["median_step_s"], m["tokens_per_s"],
+                                                    m["median_cpu_s"]]), (name, m)
+        assert m["tokens_per_s"] == pytest.approx(shapes["tokens_per_step"] / m["median_step_s"], rel=0.01), name
+        assert abs(m["first_loss"] - math.log(shapes["vocab_size"])) < 1.5, (name, m["first_loss"])
+        assert m["params"] > m["non_embedding_params"] > 0
+    assert data["models"]["tlm_titans"]["mixer"].count("titans") == 3
+    ratio = data["ratios"]["titans_vs_attention"]["ratio"]
+    assert _finite_positive(ratio)
+    [t] = data["tables"]
+    rows = {r[0]: r for r in t["rows"]}
+    assert set(rows) == set(data["models"]) and rows["tlm_attention"][3] == 1.0
+    assert all(_finite_positive(c) for r in t["rows"] for c in r[1:4]), t["rows"]
+    assert rows["tlm_titans"][2] == round(data["models"]["tlm_titans"]["tokens_per_s"])
+
+
+def check_low_memory(data: dict) -> None:
+    """The --low-memory conversion exited 0 with a measured peak RSS and wall time; the output has the source's
+    parameter count and the cosine taper of the 128-wide MLP (wider first layer, narrower last)."""
+    run, source, output = data["run"], data["source"], data["output"]
+    assert run["returncode"] == 0 and "--low-memory" in run["command"]
+    assert all(_finite_positive(v) for v in (run["peak_rss_mb"], run["wall_s"], source["params"],
+                                             source["bytes_on_disk"], output["self_reported_peak_rss_mb"]))
+    assert 50 < run["peak_rss_mb"] < 3072  # a Python process with torch, far below the policy's budget
+    assert output["params_out"] == source["params"] > 0
+    first, *_, last = output["widths_after"]
+    assert len(output["widths_after"]) == 2 and first > 128 > last
+    [t] = data["tables"]
+    [row] = t["rows"]
+    assert row[0] == "--low-memory" and row[1] == f"{source['params']:,}" and row[4] == 0
+    assert row[2] == round(run["peak_rss_mb"]) > 0 and row[3] == round(run["wall_s"])
+
+
+QUICK_CHECKS = {"throughput": check_throughput, "low-memory": check_low_memory}
+
+
+@pytest.mark.parametrize("name", ["demo", "throughput", "low-memory"])
 def test_quick_run_writes_one_result_file_the_report_refuses(name, tmp_path):
-    proc = bench(name, "--quick", "--results-dir", str(tmp_path), timeout=900)  # ~30 s on a quiet 2-core machine
+    # demo ~30 s on a quiet 2-core machine; throughput and low-memory ~15-20 s each (mostly importing torch)
+    proc = bench(name, "--quick", "--results-dir", str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(tmp_path.iterdir())
     assert files == [suite.result_path(name, tmp_path)]
@@ -77,6 +141,7 @@ def test_quick_run_writes_one_result_file_the_report_refuses(name, tmp_path):
     assert ENVELOPE <= set(data) and data["quick"] is True and data["benchmark"] == name
     assert data["command"] == f"python -m bench {name} --quick"
     assert data["tables"] and all(t["rows"] and len(r) == len(t["columns"]) for t in data["tables"] for r in t["rows"])
+    QUICK_CHECKS.get(name, lambda data: None)(data)
     with pytest.raises(report.ReportError, match="--quick smoke test"):
         report.load(files[0])
 

@@ -400,3 +400,76 @@ def test_readme_synopsis_covers_every_option():
         if isinstance(param, click.Option) and "--help" not in names:
             assert mentioned & set(names), f"README synopsis does not mention {names}"
     assert mentioned <= known, f"README synopsis mentions unknown options {sorted(mentioned - known)}"
+
+
+# Every command example in the README, the docs/ pages and the recipes' comments, checked against the commands' own
+# options: a renamed or removed option (or choice value, or recipe file) fails here, not in a user's terminal.
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RECIPE_COMMENT = re.compile(r"(?:^#\s{2,}|^#.*?(?::\s+|\())((?:tlm-convert|tlm|torchrun|python -m tlm_\w+) [^()#]*)")
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+    """(where, command line) for every command line in the docs' bash blocks and the recipes' comment examples;
+    comments stripped, continuation lines (a trailing backslash, or an indented line) joined."""
+    found = []
+    for path in DOC_FILES:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
+            current = None
+            for line in block.replace("\\\n", " ").splitlines():
+                code = re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
+                if line[:1].isspace() and current is not None:
+                    current[1] += " " + code
+                elif code.strip():
+                    current = [path.name, code]
+                    found.append(current)
+    for path in sorted((ROOT / "recipes").rglob("*.yaml")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            m = RECIPE_COMMENT.match(line)
+            if m:
+                found.append([path.relative_to(ROOT).as_posix(), m[1].rstrip(" :")])
+    return [(where, code.strip()) for where, code in found]
+
+
+def _cli_args(words: list[str]):
+    """(click command, its arguments) for a tlm / tlm-convert / ``-m tlm_train`` / ``-m tlm_convert`` command line."""
+    if words[0] == "tlm-convert":
+        return convert_main, words[1:]
+    if words[0] == "tlm" and len(words) > 1:
+        return tlm_main.commands[words[1]], words[2:]
+    if "-m" in words and words.index("-m") + 1 < len(words):
+        i = words.index("-m")
+        module = words[i + 1]
+        if module == "tlm_convert":
+            return convert_main, words[i + 2:]
+        if module == "tlm_train":
+            return tlm_main.commands[words[i + 2]], words[i + 3:]
+    return None, []
+
+
+def test_every_command_example_in_the_docs_matches_its_help():
+    checked = 0
+    for where, line in _doc_commands():
+        for part in line.split("&&"):
+            words = part.split()
+            if not words:
+                continue
+            command, args = _cli_args(words)
+            if command is None:
+                continue
+            checked += 1
+            params = command.get_params(click.Context(command))
+            by_name = {o: p for p in params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
+            words = [w.strip("[]") for w in args]
+            for i, word in enumerate(words):
+                for option in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", word):
+                    assert option in by_name, f"{where}: `{part.strip()}` uses {option}, which is not an option"
+                name, _, value = word.partition("=")
+                param = by_name.get(name)
+                if isinstance(getattr(param, "type", None), click.Choice) and not getattr(param, "is_flag", False):
+                    value = value or (words[i + 1] if i + 1 < len(words) else "")
+                    if re.fullmatch(r"[a-z0-9_.|-]+", value):  # a literal value (or a|b|c), not a PLACEHOLDER
+                        for v in value.split("|"):
+                            assert v in param.type.choices, f"{where}: {name} {v} is not one of {param.type.choices}"
+                if word.startswith("recipes/"):
+                    assert (ROOT / word).is_file(), f"{where}: {word} does not exist"
+    assert checked >= 40  # the README alone has about 20 command lines; a parser that finds none must fail

@@ -8,7 +8,8 @@ code (``auto_map``) and load with ``trust_remote_code=True`` where this package 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import TLMCache
-from .configuration_tlm import MIXERS, TLMConfig
+from .configuration_tlm import TLMConfig
+from .mixers import MIXERS
 from .modeling_tlm import TLMForCausalLM, TLMModel, TLMPreTrainedModel
 from .schedule import SCHEDULES, measured_widths, parse_ratio, taper_widths
 

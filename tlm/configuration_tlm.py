@@ -19,9 +19,11 @@ import math
 
 from transformers import PretrainedConfig
 
+from .cms import parse_mode
+from .mixers import MIXERS
+from .mlp import ACTIVATIONS
 from .schedule import taper_widths
 
-MIXERS = ("attention", "gated_attention", "hope_attention", "titans")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3")
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -286,7 +288,7 @@ def _collect_errors(cfg: TLMConfig) -> list[str]:
     widths = cfg.intermediate_sizes
     if widths is not None and (len(widths) != n or any(w < 1 for w in widths)):
         errors.append(f"intermediate_sizes={widths!r}: expected {n} positive widths")
-    _check_per_layer(errors, "mixer", cfg.mixer, n, MIXERS)
+    _check_per_layer(errors, "mixer", cfg.mixer, n, tuple(MIXERS))
     _check_per_layer(errors, "layer_types", cfg.layer_types, n, LAYER_TYPES)
     if "sliding_attention" in cfg.layer_types and not (isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0):
         errors.append(f"sliding_window={cfg.sliding_window!r}: sliding_attention layers need a positive window")
@@ -294,8 +296,6 @@ def _collect_errors(cfg: TLMConfig) -> list[str]:
     _check_choice(errors, "position_embedding", cfg.position_embedding, POSITION_TYPES)
     _check_choice(errors, "gate_type", cfg.gate_type, ("elementwise", "headwise"))
     _check_choice(errors, "hope_topology", cfg.hope_topology, ("sum", "chain"))
-    from .mlp import ACTIVATIONS
-
     _check_choice(errors, "hidden_act", cfg.hidden_act, tuple(sorted(ACTIVATIONS)))
     if cfg.position_embedding == "rope":
         _check_rope(errors, "rope_parameters", cfg.rope_parameters)
@@ -317,8 +317,6 @@ def _collect_errors(cfg: TLMConfig) -> list[str]:
 
 
 def _valid_mode(mode) -> bool:
-    from .cms import parse_mode
-
     try:
         parse_mode(mode)
     except ValueError:
@@ -341,4 +339,4 @@ def _check_hope(errors, cfg):
         errors.append(f"hope_inner_lr={cfg.hope_inner_lr!r}: expected a number >= 0")
 
 
-__all__ = ["TLMConfig", "MIXERS"]
+__all__ = ["TLMConfig"]

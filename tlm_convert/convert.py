@@ -49,7 +49,7 @@ PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
 # non-increasing with depth
 MEASURED = ("measured", "measured-taper")
 SCHEDULE_CHOICES = SCHEDULES + MEASURED
-MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
+MIXER_CHOICES = tuple(MIXERS)  # --mixer: the mixer every layer gets (attention keeps the source's)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
 DEFAULT_CALIBRATION = ("default", SELF)  # the bundled mix and the model's own samples, equal shares
