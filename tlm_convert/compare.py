@@ -41,6 +41,7 @@ import yaml
 
 from tlm import SCHEDULES, parse_ratio
 from tlm_io.errors import RecipeError
+from tlm_train.prepare import prepare_data
 from tlm_train.recipe import apply_overrides, build_spec, recipe_from_dict
 from tlm_train.trainer import list_checkpoints, train, wsd_decay_start
 
@@ -384,8 +385,6 @@ def run_comparison(spec: CompareSpec, progress: bool = True, jobs: int = 1) -> l
             run_seed(*unit, progress=progress)
     else:
         import multiprocessing as mp
-
-        from tlm_train.prepare import prepare_data
 
         prepare_data(recipe_from_dict(_with(spec.base, output_dir=str(out))))  # one process fills the token cache
         with mp.get_context("spawn").Pool(jobs, maxtasksperchild=1) as pool:
