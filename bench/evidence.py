@@ -1,16 +1,17 @@
-"""Evidence benchmark: does the cosine taper help at CPU scale, for each mixer, and does converting beat scratch?
+"""Evidence benchmark: does the cosine taper help at CPU scale, for each mixer?
 
-Part ``scratch``: cosine 1.5/0.5 vs uniform vs reverse 0.5/1.5, trained from scratch at exactly equal parameter
-counts, for each of the four mixers and 3 seeds (36 runs). Part ``compare``: ``tlm compare`` at the same scale for
-the attention mixer, 3 seeds: (a) uniform from scratch, (b) cosine from scratch, (c) uniform for N steps ->
-tlm-convert -> continued pretraining for M steps, (d) uniform continued for M steps (N + M = the scratch budget).
+Cosine 1.5/0.5 vs uniform vs reverse 0.5/1.5, trained from scratch at exactly equal parameter counts, for each of
+the mixers and 3 seeds. The converted-vs-scratch study is ``tlm compare recipes/compare/cpu-attention.yaml`` (and
+cpu-titans.yaml, cpu-shapes.yaml: seeds, splits, paired tables); the 3-seed compare records of an earlier version
+(a two-phase learning-rate schedule: the M steps restarted their warmup and cosine) stay in evidence.jsonl and in
+the summary.
 
 Every run is ``tlm_train.train`` on a recipe built below (bytes as tokens, the bundled English text, held-out
 ``default-eval``); results are appended to bench/results/evidence.jsonl one line per run, and runs already there are
 skipped, so an interrupted benchmark is resumed by running the same command again. Runs go ``--workers`` at a time
 with one thread each.
 
-    python bench/evidence.py --workers 2                    # both parts, cheapest evidence first
+    python bench/evidence.py --workers 2                    # every run, cheapest evidence first
     python bench/evidence.py --summary                      # the tables for bench/RESULTS.md
 """
 
@@ -96,45 +97,20 @@ def run_scratch(job: tuple[str, str, int]) -> dict:
             "seconds": time.perf_counter() - start, "threads": 1}
 
 
-def run_compare(seed: int) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    from tlm_convert.compare import CompareSpec, run_comparison
-
-    base = scratch_recipe("attention", "uniform", seed, out=RUNS / f"compare-s{seed}" / "base")
-    base["log"]["eval_every"] = 30
-    # (a) and (b) are the scratch part's attention runs of this seed (the same recipes: collected, not rerun)
-    spec = CompareSpec(base=base, output_dir=str(RUNS / f"compare-s{seed}"), pretrain_steps=90, continue_steps=60,
-                       cpt_optim={"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 6},
-                       convert={"calibration_tokens": 32768, "seq_len": 128},
-                       reuse={"uniform-scratch": str(RUNS / f"attention-uniform-s{seed}"),
-                              "tapered-scratch": str(RUNS / f"attention-cosine-s{seed}")})
-    for folder in spec.reuse.values():
-        if not (Path(folder) / "final").is_dir():
-            raise RuntimeError(f"{folder} is not finished yet; run the scratch part first")
-    start = time.perf_counter()
-    table = run_comparison(spec, progress=False)
-    return {"part": "compare", "key": f"compare/attention/{seed}", "mixer": "attention", "seed": seed,
-            "rows": table, "seconds": time.perf_counter() - start, "threads": 1}
-
-
 def _work(job):
-    kind, args = job
-    key = f"scratch/{args[0]}/{args[1]}/{args[2]}" if kind == "scratch" else f"compare/attention/{args[0]}"
+    key = "scratch/{}/{}/{}".format(*job)
     if key in _done():  # finished meanwhile by another runner
         return {"skipped": key}
     try:
-        record = run_scratch(args) if kind == "scratch" else run_compare(*args)
+        record = run_scratch(job)
     except Exception as err:  # noqa: BLE001 - one failed run is recorded and the others go on
-        return {"failed": f"{kind} {args}: {type(err).__name__}: {err}"}
+        return {"failed": f"scratch {job}: {type(err).__name__}: {err}"}
     _append(record)
     return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "scratch", "compare"], default="all")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mixers", default=",".join(MIXERS))
     parser.add_argument("--summary", action="store_true")
@@ -146,22 +122,12 @@ def main() -> None:
     mixers = args.mixers.split(",")
     cheap = [m for m in mixers if m in ("attention", "gated_attention")]
     costly = [m for m in mixers if m not in cheap]
-    # cheapest evidence first: the attention mixers for every seed, the comparison (which reuses the attention
-    # runs), then Titans and Hope seed by seed; what does not fit in a session is resumed by the next call
-    scratch = [("scratch", (m, s, seed)) for group in ([(m, seed) for seed in SEEDS for m in cheap],
-                                                       [(m, seed) for seed in SEEDS for m in costly])
-               for m, seed in group for s in SCHEDULES]
-    compare = [("compare", (seed,)) for seed in SEEDS]
-    if args.part == "scratch":
-        jobs = scratch
-    elif args.part == "compare":
-        jobs = compare
-    else:
-        n_cheap = len(cheap) * len(SEEDS) * len(SCHEDULES)
-        jobs = scratch[:n_cheap] + compare + scratch[n_cheap:]
-    key = lambda job: (f"scratch/{job[1][0]}/{job[1][1]}/{job[1][2]}" if job[0] == "scratch"  # noqa: E731
-                       else f"compare/attention/{job[1][0]}")
-    jobs = [job for job in jobs if key(job) not in done]
+    # cheapest evidence first: the attention mixers for every seed, then Titans and Hope seed by seed; what does not
+    # fit in a session is resumed by the next call
+    jobs = [(m, s, seed) for group in ([(m, seed) for seed in SEEDS for m in cheap],
+                                       [(m, seed) for seed in SEEDS for m in costly])
+            for m, seed in group for s in SCHEDULES]
+    jobs = [job for job in jobs if "scratch/{}/{}/{}".format(*job) not in done]
     print(f"{len(jobs)} runs to do ({len(done)} already in {RESULTS})", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
@@ -202,7 +168,7 @@ def summary() -> str:
     compare = [r for r in rows if r["part"] == "compare"]
     if compare:
         lines += ["", "| run | eval loss, mean ± std | tokens | params | wall s (mean; c, d include the shared "
-                  "N-step run and c the conversion) |", "|---|---|---|---|---|"]
+                  "N-step run and c the conversion) |", "|---|---|---|---|---|"]  # earlier records (two-phase LR)
         scratch_s = {(r["schedule"], r["seed"]): r["seconds"] for r in rows
                      if r["part"] == "scratch" and r["mixer"] == "attention"}
         reused = {"uniform-scratch": "uniform", "tapered-scratch": "cosine"}  # collected from the scratch part

@@ -1,5 +1,6 @@
 """``--importance fisher``: the hooks' mask-gradient Fisher equals the Fisher of an explicit mask parameter, and a
-conversion ranked by it keeps the parameter count, reloads strictly and is refused under --low-memory."""
+conversion ranked by it keeps the parameter count, reloads strictly and is refused under --low-memory;
+``--schedule measured``: widths from the Fisher removal-cost profile at the same parameter count."""
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 from conftest import make_model
 from tlm_convert.compensate import obs_prune
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_convert.fisher import fisher_scores
+from tlm_convert import convert as convert_module
+from tlm_convert.fisher import fisher_scores, top_share_profile
+from tlm import measured_widths, taper_widths
 from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
 from tlm_io.errors import ConversionError
 
@@ -110,3 +113,39 @@ def test_fisher_conversion_keeps_the_parameter_count_and_is_refused_low_memory(i
     assert report["widths_after"] != report["widths_before"] and "rank" in report["seconds"]
     with pytest.raises(ConversionError, match="drop --low-memory"):
         ConvertOptions(importance=importance, low_memory=True, **opts).validate()
+
+
+def test_top_share_profile_counts_each_layers_neurons_in_the_global_top_half():
+    scores = [torch.tensor([9.0, 1.0, 8.0, 0.5]), torch.tensor([0.1, 0.2]), torch.tensor([7.0, 6.0, 0.3, 0.4])]
+    # 10 neurons, top 5: 9, 8, 7, 6 and 1 -> layer 0 has 3, layer 1 none, layer 2 has 2
+    assert top_share_profile(scores) == [3.0, 0.0, 2.0]
+    assert top_share_profile([torch.ones(4), torch.ones(4)]) == [4.0, 0.0]  # ties: the first neurons by position
+
+
+@pytest.mark.parametrize("schedule", ["measured", "measured-taper"])
+def test_measured_schedule_widths_keep_the_parameter_count_and_are_deterministic(schedule, tmp_path, monkeypatch):
+    src = make_source(tmp_path / "src", "llama", tokenizer=tiny_tokenizer())
+    opts = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=4,
+                schedule=schedule, importance="fisher")
+    calls = []
+    real = convert_module.fisher_scores
+    monkeypatch.setattr(convert_module, "fisher_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import tlm_convert.calibrate as calibrate_module
+    monkeypatch.setattr(calibrate_module, "fisher_scores", lambda *a, **k: calls.append(2) or real(*a, **k))
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(**opts))
+    assert calls == [1]  # one Fisher pass: the measurement's scores rank the neurons too
+    widths, profile = report["widths_after"], report["measured_profile"]
+    base = report["widths_before"][0]
+    assert sum(widths) == sum(report["widths_before"]) and report["params_after"] == report["params_before"]
+    assert all(base // 2 <= w <= base * 3 // 2 and w % 4 == 0 for w in widths)
+    assert widths == measured_widths(profile, base, 4, bounds=(0.5, 1.5), monotone=schedule == "measured-taper")
+    assert sum(profile) == len(widths) * base // 2  # the top half of all neurons
+    assert report["widths_cosine"] == taper_widths(len(widths), base, "cosine", "1.5/0.5", multiple_of=4)
+    if schedule == "measured-taper":
+        assert all(a >= b for a, b in zip(widths, widths[1:]))
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "cosine (reference)" in text and "Fisher removal cost" in text
+    again = convert(str(src), str(tmp_path / "again"), ConvertOptions(**opts))
+    assert again["widths_after"] == widths and again["measured_profile"] == profile  # deterministic
+    with pytest.raises(ConversionError, match="drop --low-memory"):
+        ConvertOptions(**{**opts, "importance": "obs", "low_memory": True}).validate()

@@ -44,10 +44,11 @@ def test_chunked_prefill_equals_one_pass(mixer, ids):
     torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "x-shape", "middle-heavy"])
 @pytest.mark.parametrize("mixer", MIXER_VARIANTS)
-def test_tapered_and_uniform_have_identical_parameter_counts(mixer):
+def test_tapered_and_uniform_have_identical_parameter_counts(mixer, schedule):
     uniform = tlm.TLMForCausalLM(tiny_config(mixer, schedule="uniform"))
-    tapered = tlm.TLMForCausalLM(tiny_config(mixer, schedule="cosine"))
+    tapered = tlm.TLMForCausalLM(tiny_config(mixer, schedule=schedule))
     assert tapered.config.intermediate_sizes != uniform.config.intermediate_sizes
     assert sum(tapered.config.intermediate_sizes) == 3 * 37
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731

@@ -26,6 +26,7 @@ def _load_standalone(path, name):
 
 sched = _load_standalone(SCHEDULE_FILE, "tlm_schedule_under_test")
 SCHEDULES, parse_ratio, taper_widths = sched.SCHEDULES, sched.parse_ratio, sched.taper_widths
+measured_widths = sched.measured_widths
 
 CONTINUOUS = ("cosine", "linear", "sigmoid")
 BASE_WIDTHS = (64, 128, 576, 1024, 1536)
@@ -206,7 +207,7 @@ def test_uniform_ignores_ratio():
 
 
 def test_schedule_names():
-    assert SCHEDULES == ("cosine", "linear", "sigmoid", "uniform", "three-group")
+    assert SCHEDULES == ("cosine", "linear", "sigmoid", "uniform", "three-group", "x-shape", "middle-heavy")
     assert taper_widths(6, 1024, "Cosine") == taper_widths(6, 1024, "cosine")
     assert taper_widths(6, 64, "three_group", "1.5/1/0.5") == taper_widths(6, 64, "three-group", "1.5/1/0.5")
 
@@ -452,6 +453,104 @@ def test_invariant_violation_is_a_runtime_error():
 # ------------------------------------------------------------------------------------------------
 # remote-code constraint
 # ------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped shapes: x-shape (wide first and last thirds) and middle-heavy (wide middle ~70%)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["x-shape", "middle-heavy"])
+@pytest.mark.parametrize("L", range(1, 37))
+@pytest.mark.parametrize("D, q", [(64, 1), (64, 16), (1536, 64), (37, 1)])
+def test_grouped_shapes_keep_the_budget_exactly(name, L, D, q):
+    widths = taper_widths(L, D, name, "1.5/0.5", multiple_of=q)
+    assert len(widths) == L and sum(widths) == L * D
+    assert all(w >= q and w % q == 0 for w in widths)
+
+
+def test_x_shape_is_wide_in_the_first_and_last_thirds():
+    widths = taper_widths(30, 1536, "x-shape", "1.5/0.5", multiple_of=64)
+    assert widths == [1984] * 10 + [640] * 10 + [1984] * 10  # 3:1 scaled to the budget, rounded to 64
+    assert taper_widths(7, 75, "x-shape", "1.5/0.5", multiple_of=1) == [105, 105, 35, 35, 35, 105, 105]  # 2/3/2
+
+
+def test_middle_heavy_widens_the_middle_seventy_percent():
+    widths = taper_widths(20, 1024, "middle-heavy", "1.5/0.5", multiple_of=16)
+    wide = [l for l, w in enumerate(widths) if w > 1024]
+    assert wide == list(range(3, 17))  # round(0.7 * 20) = 14 layers, 3 narrow in front and 3 behind
+    assert sum(widths) == 20 * 1024 and max(widths) > 2.5 * min(widths)
+    assert [l for l, w in enumerate(taper_widths(10, 64, "middle-heavy", "1.5/0.5", 1)) if w > 64] == list(range(1, 8))
+
+
+def test_grouped_ratio_is_the_wide_to_narrow_proportion():
+    mild = taper_widths(6, 600, "x-shape", "1.2/0.8", multiple_of=1)
+    assert mild == [675, 675, 450, 450, 675, 675]  # 1.2 : 0.8, scaled so the sum is 6 * 600
+    assert taper_widths(6, 600, "x-shape", "3/1", multiple_of=1) == taper_widths(6, 600, "x-shape", "1.5/0.5", 1)
+
+
+@pytest.mark.parametrize("ratio, match", [("1.5/1/0.5", "expected two numbers > 0"), ("1.5/0", "two numbers > 0")])
+def test_grouped_bad_ratio(ratio, match):
+    with pytest.raises(ValueError, match=match):
+        taper_widths(6, 64, "x-shape", ratio)
+
+
+# ------------------------------------------------------------------------------------------------
+# measured widths from a per-layer profile
+# ------------------------------------------------------------------------------------------------
+
+
+def test_measured_widths_follow_the_profile_within_bounds_at_the_exact_budget():
+    profile = [5, 1, 3, 0, 2, 4]
+    widths = measured_widths(profile, 64, multiple_of=16)
+    assert sum(widths) == 6 * 64 and all(w % 16 == 0 for w in widths)
+    assert all(32 <= w <= 96 for w in widths)  # 0.5x .. 1.5x
+    order = sorted(range(6), key=lambda l: -profile[l])
+    assert [widths[l] for l in order] == sorted(widths, reverse=True)  # larger score, never narrower
+    assert widths[3] == 32 and widths[0] == 96  # the zero layer at the floor, the top layer at the ceiling
+
+
+def test_measured_widths_proportional_when_no_bound_binds():
+    assert measured_widths([3, 2, 1], 200, multiple_of=1) == [300, 200, 100]
+    assert measured_widths([3, 2, 1], 200, multiple_of=1, bounds=(0.6, 1.4)) == [280, 200, 120]  # clipped, refilled
+    assert measured_widths([1, 1, 1, 1], 64, multiple_of=16) == [64] * 4
+    assert measured_widths([7.0, 7.0], 64) == measured_widths([1, 1], 64)  # scale-free
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_measured_widths_monotone_is_a_taper(seed):
+    import random
+
+    rng = random.Random(seed)
+    L = rng.randint(2, 30)
+    profile = [rng.random() for _ in range(L)]
+    widths = measured_widths(profile, 1024, multiple_of=64, monotone=True)
+    assert sum(widths) == L * 1024 and _non_increasing(widths)
+    assert all(512 <= w <= 1536 for w in widths)
+    free = measured_widths(profile, 1024, multiple_of=64)
+    assert sum(free) == L * 1024 and all(512 <= w <= 1536 for w in free)
+    assert measured_widths(profile, 1024, multiple_of=64, monotone=True) == widths  # deterministic
+
+
+def test_measured_monotone_pools_violators():
+    # the closest non-increasing profile of [1, 3, 2] is [2, 2, 2]: uniform; of [4, 1, 3, 0] it is [4, 2, 2, 0]
+    assert measured_widths([1, 3, 2], 64, multiple_of=1, monotone=True) == [64, 64, 64]
+    assert measured_widths([4, 1, 3, 0], 100, multiple_of=1, bounds=(0.25, 2), monotone=True) == [187, 94, 94, 25]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(profile=[]), "non-empty list"),
+    (dict(profile=[1, -1]), r"entry 1 \(-1\)"),
+    (dict(profile=[0, 0]), "all zeros"),
+    (dict(profile=[1, float("nan")]), "entry 1"),
+    (dict(profile=[1, 0, 0, 0]), "cannot fill"),  # one layer at 1.5x cannot hold 4 layers' budget
+    (dict(profile=[1, 2], bounds=(1.2, 1.5)), r"0 < lo <= 1 <= hi"),
+    (dict(profile=[1, 2], base_width=60), "multiple_of=16 does not divide base_width=60"),
+])
+def test_measured_widths_errors(kwargs, match):
+    args = {"base_width": 64, "multiple_of": 16, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        measured_widths(args.pop("profile"), **args)
 
 
 def test_module_imports_only_the_standard_library():

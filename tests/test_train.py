@@ -175,6 +175,42 @@ def test_lr_warmup_then_cosine_to_min(tmp_path):
     assert all(a >= b for a, b in zip(f[4:], f[5:]))
 
 
+def test_lr_wsd_is_flat_until_the_last_fraction_then_decays():
+    r = recipe_from_dict(tiny_recipe(tmp_path_dummy(), optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2,
+                                                              "decay": "wsd", "decay_fraction": 0.25},
+                                     train={"max_steps": 12}))
+    f = [lr_factor(s, r) for s in range(12)]
+    assert f[:2] == [0.5, 1.0] and f[2:9] == [1.0] * 7  # decay from step 12 - 3 = 9
+    assert f[9] == 1.0 and f[10] == pytest.approx(0.1 + 0.9 * 0.75) and f[11] == pytest.approx(0.1 + 0.9 * 0.25)
+    longer = recipe_from_dict(tiny_recipe(tmp_path_dummy(), optim={**r.optim.__dict__, "betas": [0.9, 0.95]},
+                                          train={"max_steps": 40}))
+    assert [lr_factor(s, longer) for s in range(9)] == f[:9]  # the first steps do not depend on the length
+    offset = recipe_from_dict(tiny_recipe(tmp_path_dummy(), optim={**r.optim.__dict__, "step_offset": 5,
+                                                                   "rewarm_steps": 2}, train={"max_steps": 7}))
+    assert [lr_factor(s, offset) for s in range(7)] == [f[5] / 2, f[6]] + f[7:]  # step 5 on, after a re-warm
+    with pytest.raises(RecipeError, match="optim.schedule_steps: 5 is shorter than the run"):
+        recipe_from_dict(tiny_recipe(tmp_path_dummy(), optim={"schedule_steps": 5}, train={"max_steps": 6}))
+    with pytest.raises(RecipeError, match="optim.decay_fraction: must be in"):
+        recipe_from_dict(tiny_recipe(tmp_path_dummy(), optim={"decay_fraction": 1.5}))
+
+
+def tmp_path_dummy() -> Path:
+    return Path("/nonexistent-run")  # recipes only: nothing is written
+
+
+def test_wsd_prefix_resumed_to_a_longer_schedule_is_the_uninterrupted_run(tmp_path):
+    wsd = {"decay": "wsd", "decay_fraction": 0.5, "warmup_steps": 1}
+    full = train(recipe_from_dict(tiny_recipe(tmp_path, "full", optim=wsd, train={"max_steps": 6})))
+    # 3 steps of a 4-step wsd schedule (its decay starts at step 4 - 2 = 2 < 3: not shared) would differ; of a
+    # 6-step one (decay from 3) it is the shared prefix, resumable to the longer schedule
+    prefix = train(recipe_from_dict(tiny_recipe(tmp_path, "prefix", optim={**wsd, "schedule_steps": 6},
+                                                train={"max_steps": 3})))
+    assert prefix.losses == full.losses[:3]
+    resumed = train(recipe_from_dict(tiny_recipe(tmp_path, "rest", optim=wsd, train={"max_steps": 6})),
+                    resume=str(Path(prefix.output_dir) / "checkpoint-3"))
+    assert resumed.losses == full.losses[3:] and resumed.eval_loss == full.eval_loss
+
+
 def test_distill_loss_is_the_kl_divergence():
     gen = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 5, 7, generator=gen)
@@ -418,53 +454,7 @@ def test_cli_train_bad_input_is_one_line(tmp_path, monkeypatch, content, needle)
     assert "Traceback" not in res.output
 
 
-# ---------------------------------------------------------------------------------------------- compare
-
-
-def test_compare_runs_the_four_arms_at_equal_params_and_tokens(tmp_path):
-    from tlm_convert.compare import CompareSpec, RUN_NAMES, run_comparison
-
-    base = tiny_recipe(tmp_path, "base", model={"schedule": "uniform"}, log={"eval_every": 2})
-    spec = CompareSpec(base=base, output_dir=str(tmp_path / "cmp"), pretrain_steps=3, continue_steps=2,
-                       convert={"calibration_tokens": 330, "batch_size": 4}, cpt_optim={"warmup_steps": 1})
-    rows = run_comparison(spec, progress=False)
-    assert [r["run"] for r in rows] == list(RUN_NAMES)
-    assert len({r["params"] for r in rows}) == 1  # equal parameter counts
-    assert len({r["tokens"] for r in rows}) == 1 and rows[0]["tokens"] == 5 * 4 * 33  # equal tokens
-    assert all(math.isfinite(r["eval_loss"]) for r in rows)
-    out = tmp_path / "cmp"
-    assert (out / "loss_curves.png").stat().st_size > 1000 and (out / "compare.md").is_file()
-    saved = json.loads((out / "compare.json").read_text())
-    # (c) and (d) continue the data stream: they skip the N pretraining batches
-    assert yaml_load(out / "converted-cpt" / "recipe.yaml")["data"]["skip_batches"] == 3
-    widths = json.loads((out / "converted" / "config.json").read_text())["intermediate_sizes"]
-    assert widths[0] > widths[-1]
-    # the (d) control's curve starts with the shared pretraining prefix
-    assert saved["curves"]["uniform-continued"]["train"][:3] == saved["curves"]["converted-cpt"]["train"][:3]
-    # a second call collects the finished runs instead of training again
-    again = run_comparison(spec, progress=False)
-    assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in rows]
-    assert [r["seconds"] for r in again] == pytest.approx([r["seconds"] for r in rows], abs=0.01)  # from summaries
-
-
-def yaml_load(path):
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text())
-
-
-def test_compare_spec_errors_are_listed(tmp_path):
-    from tlm_convert.compare import load_compare
-
-    path = tmp_path / "c.yaml"
-    path.write_text("base: missing.yaml\noutput_dir: x\npretrain_steps: two\n")
-    with pytest.raises(RecipeError) as err:
-        load_compare(path)
-    text = str(err.value)
-    assert "pretrain_steps: expected an integer" in text and "continue_steps: missing" in text
-
-
-def test_cli_resume_continues_and_a_bad_compare_file_is_one_line(tmp_path):
+def test_cli_resume_continues(tmp_path):
     import yaml
 
     path = tmp_path / "r.yaml"
@@ -475,8 +465,3 @@ def test_cli_resume_continues_and_a_bad_compare_file_is_one_line(tmp_path):
     assert json.loads(res.output.strip().splitlines()[-1])["steps"] == 4
     again = _cli(["train", str(path), "--no-progress"])  # checkpoints exist and no --resume: refused
     assert again.exit_code != 0 and "pass --resume" in again.output and "Traceback" not in again.output
-    bad = tmp_path / "c.yaml"
-    bad.write_text("base: nope.yaml\noutput_dir: x\npretrain_steps: 1\ncontinue_steps: 1\n")
-    res = _cli(["compare", str(bad), "--no-progress"])
-    lines = res.output.strip().splitlines()
-    assert res.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0]

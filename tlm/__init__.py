@@ -11,7 +11,7 @@ from .cache import TLMCache
 from .configuration_tlm import TLMConfig
 from .mixers import MIXERS
 from .modeling_tlm import TLMForCausalLM, TLMModel, TLMPreTrainedModel
-from .schedule import SCHEDULES, parse_ratio, taper_widths
+from .schedule import SCHEDULES, measured_widths, parse_ratio, taper_widths
 
 __version__ = "0.1.0"
 
@@ -32,5 +32,6 @@ __all__ = [
     "MIXERS",
     "SCHEDULES",
     "taper_widths",
+    "measured_widths",
     "parse_ratio",
 ]

@@ -31,6 +31,22 @@ multipliers must satisfy ``n_f m_f + n_m m_m + n_b m_b = L``. Presets: wider-ear
 (in budget for any L), wider-middle ``(0.75, 1.5, 0.75)`` (only when 3 divides L), wider-late
 ``(0.5, 1, 1.5)``. An explicit list of ints is validated and returned as a new list.
 
+Two grouped shapes put every layer in a wide or a narrow group; the ratio ``A/B`` (both > 0) is the
+proportion of a wide layer's width to a narrow one's, scaled to the budget: ``w_wide = A c``,
+``w_narrow = B c`` with ``c = L D / (A n_wide + B n_narrow)`` (so 1.5/0.5 makes wide layers three
+times as wide as narrow ones, whatever the group sizes):
+
+* ``"x-shape"``: the first and last thirds (``L // 3`` layers each) wide, the middle narrow (wide
+  early *and* late, as Variable-Width Transformers propose);
+* ``"middle-heavy"``: the middle ``round(0.7 L)`` layers wide, the rest (split as evenly as possible,
+  the extra one at the back) narrow (MLP capacity concentrated mid-stack, as layerwise FFN-importance
+  studies find).
+
+`measured_widths` turns a per-layer profile (e.g. what removing each layer's neurons costs, measured
+on calibration text) into widths at the same budget: ``w_l = clip(lam p_l, lo D, hi D)`` with ``lam``
+chosen so the widths sum to ``L D``, optionally after a non-increasing least-squares fit of ``p``
+(``monotone``: a taper).
+
 Rounding with exact repair
 --------------------------
 Widths are multiples of ``q`` (``multiple_of``), which must divide ``D``. The endpoints are pinned:
@@ -46,7 +62,9 @@ Widths are multiples of ``q`` (``multiple_of``), which must divide ``D``. The en
 
 The tie-breaks favour early capacity. Afterwards the invariants are checked explicitly: the exact sum,
 the order, the pinned endpoints, multiples of ``q`` and ``|d - w| <= q`` (continuous schedules).
-Three-group widths use the same repair without order guards (a width never drops below ``q``).
+Three-group widths use the same repair without order guards (a width never drops below ``q``). Grouped and
+measured widths round every layer half up and then repair over all layers (largest deficit or excess
+first, within their bounds and, for a monotone profile, keeping the order).
 
 This module is copied next to checkpoints as transformers remote code, so it imports only the
 standard library.
@@ -59,8 +77,10 @@ from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("cosine", "linear", "sigmoid", "uniform", "three-group")
+SCHEDULES = ("cosine", "linear", "sigmoid", "uniform", "three-group", "x-shape", "middle-heavy")
 _CONTINUOUS = ("cosine", "linear", "sigmoid")
+_GROUPED = ("x-shape", "middle-heavy")
+MIDDLE_HEAVY_SHARE = 0.7  # the share of layers that "middle-heavy" widens
 _BUDGET_TOL = 1e-9  # tolerance on r_s + r_e == 2 and on the three-group budget
 _HALF_EPS = 1e-9  # computed half-unit ties (x.4999999999) still round up
 _KEY_DIGITS = 9  # repair keys are rounded so float noise does not override the index tie-break
@@ -108,20 +128,21 @@ def taper_widths(
     Args:
         num_layers: L >= 1.
         base_width: D >= 1, the uniform baseline width (the mean of the result).
-        schedule: one of ``SCHEDULES`` ("cosine", "linear", "sigmoid", "uniform", "three-group";
-            case-insensitive, "_" accepted for "-") or an explicit list/tuple of L ints, each >= 1 and a
+        schedule: one of ``SCHEDULES`` ("cosine", "linear", "sigmoid", "uniform", "three-group",
+            "x-shape", "middle-heavy"; case-insensitive, "_" accepted for "-") or an explicit list/tuple of L ints, each >= 1 and a
             multiple of ``multiple_of``, summing to L*D (returned as a new list).
         ratio: (r_s, r_e) for the continuous schedules, with r_s, r_e > 0 and r_s + r_e == 2
             (r_s < r_e is a reverse taper and warns); three multipliers (front, middle, back) for
-            "three-group". A string "1.5/0.5" (or "1.5/1/0.5") is parsed. Ignored by "uniform" and
-            explicit lists.
+            "three-group"; (wide, narrow) width proportions for "x-shape" and "middle-heavy". A string
+            "1.5/0.5" (or "1.5/1/0.5") is parsed. Ignored by "uniform" and explicit lists.
         multiple_of: q >= 1; every width is a multiple of q, and q must divide D for named schedules.
         steepness: k > 0 of the "sigmoid" schedule (logistic slope in units of depth fraction:
             k -> 0 tends to linear, large k to a step at mid-depth); ignored by the other schedules.
 
     Returns:
         list of L ints: monotone in the taper's direction (continuous schedules), first and last widths
-        pinned at ``q * round_half_up(r_s D / q)`` and ``2 D`` minus that.
+        pinned at ``q * round_half_up(r_s D / q)`` and ``2 D`` minus that; grouped shapes equal within a
+        group up to one unit of q.
 
     Raises:
         ValueError: for any request that cannot be met; the message names the argument, its value and
@@ -138,6 +159,8 @@ def taper_widths(
         return [base_width] * num_layers
     if name == "three-group":
         return _three_group_widths(num_layers, base_width, parse_ratio(ratio), multiple_of)
+    if name in _GROUPED:
+        return _grouped_widths(name, num_layers, base_width, parse_ratio(ratio), multiple_of)
     k = _check_steepness(steepness) if name == "sigmoid" else steepness
     r_s, r_e = _two_point_ratio(parse_ratio(ratio))
     if r_s < r_e:
@@ -427,6 +450,152 @@ def _three_group_widths(num_layers: int, base_width: int, ratio: tuple[float, ..
     _check_invariants(widths, [q * x for x in u], num_layers * base_width, q, ends, None, what)
     logger.debug("%s -> %s", what, widths)
     return widths
+
+
+def _wide_layers(name: str, num_layers: int) -> list[bool]:
+    """Which layers the grouped shape ``name`` widens."""
+    if name == "x-shape":
+        third = num_layers // 3
+        return [l < third or l >= num_layers - third for l in range(num_layers)]
+    middle = _round_half_up(MIDDLE_HEAVY_SHARE * num_layers)
+    front = (num_layers - middle) // 2
+    return [front <= l < front + middle for l in range(num_layers)]
+
+
+def _grouped_widths(name: str, num_layers: int, base_width: int, ratio: tuple[float, ...], q: int) -> list[int]:
+    if len(ratio) != 2 or min(ratio) <= 0:
+        raise ValueError(
+            f"ratio={_fmt(ratio)} is not allowed for the {name} schedule; expected two numbers > 0, the wide and "
+            f"narrow width proportions, in the form 'A/B' (e.g. 1.5/0.5: wide layers three times as wide)"
+        )
+    weights = [ratio[0] if wide else ratio[1] for wide in _wide_layers(name, num_layers)]
+    total = num_layers * base_width
+    u = [x * total / (sum(weights) * q) for x in weights]
+    what = (
+        f"the {name} schedule (num_layers={num_layers}, base_width={base_width}, multiple_of={q}, "
+        f"ratio={_fmt(ratio)})"
+    )
+    widths = [q * x for x in _round_and_fill(u, total // q, 1, total // q, None, what)]
+    _check_invariants(widths, [q * x for x in u], total, q, (widths[0], widths[-1]), None, what, check_error=True)
+    logger.debug("%s -> %s", what, widths)
+    return widths
+
+
+def measured_widths(
+    profile: Sequence[float],
+    base_width: int,
+    multiple_of: int = 16,
+    bounds: "Sequence[float]" = (0.5, 1.5),
+    monotone: bool = False,
+) -> list[int]:
+    """Per-layer widths summing to ``len(profile) * base_width``, proportional to ``profile`` within bounds.
+
+    ``w_l = clip(lam * p_l, lo * D, hi * D)`` with the one ``lam`` that makes the widths sum to ``L * D``,
+    rounded to multiples of ``multiple_of`` with the exact repair. ``monotone`` first replaces ``p`` by its
+    closest non-increasing sequence (least squares, pool-adjacent-violators), so the widths are a taper.
+
+    Args:
+        profile: L >= 1 finite numbers >= 0 (a layer's share of the model's important neurons, say);
+            enough of them > 0 that the upper bound can hold the budget.
+        base_width: D, the mean width.
+        multiple_of: q, dividing D.
+        bounds: (lo, hi) with 0 < lo <= 1 <= hi: the narrowest and widest layer as multiples of D.
+        monotone: keep the widths non-increasing with depth.
+
+    Raises:
+        ValueError: a bad argument, or a profile that cannot fill the budget within the bounds.
+    """
+    _check_int_at_least("base_width", base_width, 1)
+    _check_int_at_least("multiple_of", multiple_of, 1)
+    _check_divides(multiple_of, base_width)
+    p = _check_profile(profile)
+    lo, hi = _check_bounds(bounds)
+    q, L = multiple_of, len(p)
+    if monotone:
+        p = _non_increasing_fit(p)
+    p = [x / max(p) for x in p]  # scale-free: lam lies in [0, high / the smallest positive entry]
+    low, high = math.ceil(lo * base_width / q - _HALF_EPS), math.floor(hi * base_width / q + _HALF_EPS)
+    target = L * base_width // q
+    if sum(high if x > 0 else low for x in p) < target or low > base_width // q:
+        raise ValueError(
+            f"profile={list(profile)!r} cannot fill num_layers*base_width={L * base_width} within bounds "
+            f"{_fmt((lo, hi))} x base_width: too few layers score above 0; raise the upper bound or measure "
+            f"on more calibration text"
+        )
+    u = _scaled_clipped(p, low, high, target)
+    what = f"measured widths (profile={[round(x, 6) for x in p]}, base_width={base_width}, multiple_of={q})"
+    order = _NON_INCREASING if monotone else None
+    widths = [q * x for x in _round_and_fill(u, target, low, high, order, what)]
+    _check_invariants(widths, [q * x for x in u], L * base_width, q, (widths[0], widths[-1]), order, what)
+    if any(w < q * low or w > q * high for w in widths):
+        raise RuntimeError(f"internal error building {what}: a width is outside the bounds; widths={widths}")
+    return widths
+
+
+def _check_profile(profile) -> list[float]:
+    if not isinstance(profile, Sequence) or isinstance(profile, str) or not profile:
+        raise ValueError(f"profile={profile!r} is not allowed; expected a non-empty list of numbers >= 0")
+    for l, x in enumerate(profile):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"profile entry {l} ({x!r}) is not allowed; every entry must be a finite number >= 0")
+    if not any(profile):
+        raise ValueError("profile is all zeros; nothing tells the layers apart (measure on calibration text)")
+    return [float(x) for x in profile]
+
+
+def _check_bounds(bounds) -> tuple[float, float]:
+    values = tuple(bounds) if isinstance(bounds, Sequence) and not isinstance(bounds, str) else ()
+    if len(values) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values) or not (
+        0 < values[0] <= 1 <= values[1] and math.isfinite(values[1])
+    ):
+        raise ValueError(f"bounds={bounds!r} is not allowed; expected (lo, hi) with 0 < lo <= 1 <= hi, e.g. (0.5, 1.5)")
+    return float(values[0]), float(values[1])
+
+
+def _non_increasing_fit(p: list[float]) -> list[float]:
+    """The non-increasing sequence closest to ``p`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for x in p:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                          blocks[-1][1] + count]
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
+def _scaled_clipped(p: list[float], low: int, high: int, target: int) -> list[float]:
+    """``clip(lam * p, low, high)`` (units of q) with ``lam`` found by bisection so the sum is ``target``."""
+    total = lambda lam: sum(min(high, max(low, lam * x)) for x in p)  # noqa: E731 - non-decreasing in lam
+    lo_lam, hi_lam = 0.0, 1.0
+    while total(hi_lam) < target:
+        hi_lam *= 2
+    for _ in range(200):
+        mid = (lo_lam + hi_lam) / 2
+        lo_lam, hi_lam = (mid, hi_lam) if total(mid) < target else (lo_lam, mid)
+    return [min(high, max(low, hi_lam * x)) for x in p]
+
+
+def _round_and_fill(u: list[float], target: int, low: int, high: int, order, what: str) -> list[int]:
+    """Round ``u`` half up into [low, high] and move single units (any layer, within the bounds and the order)
+    until the sum is ``target``: add where the deficit ``u - n`` is largest (ties: smallest l), remove where the
+    excess ``n - u`` is largest (ties: largest l)."""
+    n = [min(high, max(low, _round_half_up(x))) for x in u]
+    last = len(n) - 1
+    grows = lambda l: n[l] < high and (order is None or l == 0 or n[l - 1] > n[l])  # noqa: E731
+    shrinks = lambda l: n[l] > low and (order is None or l == last or n[l] > n[l + 1])  # noqa: E731
+    r = target - sum(n)
+    while r:
+        if r > 0:
+            l = _pick([i for i in range(len(n)) if grows(i)], lambda i: u[i] - n[i], False)
+        else:
+            l = _pick([i for i in range(len(n)) if shrinks(i)], lambda i: n[i] - u[i], True)
+        if l is None:
+            raise ValueError(f"cannot round {what} to an exact total: use a smaller multiple_of")
+        step = 1 if r > 0 else -1
+        n[l] += step
+        r -= step
+    return n
 
 
 def _explicit_widths(schedule, num_layers: int, base_width: int, q: int) -> list[int]:

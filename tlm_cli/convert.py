@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from tlm import SCHEDULES
-from tlm_convert.convert import DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, ConvertOptions, convert
+from tlm_convert.convert import (DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, SCHEDULE_CHOICES, ConvertOptions,
+                                 convert)
 from tlm_convert.evalsets import perplexity_lines
 from tlm_convert.importance import METRICS
 from tlm_convert.reconstruct import TOKEN_WEIGHTINGS
@@ -27,8 +27,10 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
                epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data all-eval")
 @click.argument("input_model")
 @click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
-@click.option("--schedule", default=DEFAULTS.schedule, show_default=True,
-              type=click.Choice(SCHEDULES))
+@click.option("--schedule", default=DEFAULTS.schedule, show_default=True, type=click.Choice(SCHEDULE_CHOICES),
+              help="Width schedule at the same parameter count; measured: from a Fisher removal-cost profile of "
+                   "the source on the calibration text, within the --ratio bounds (measured-taper: non-increasing); "
+                   "the report shows it beside cosine.")
 @click.option("--ratio", default=DEFAULTS.ratio, show_default=True, help="First/last layer width multipliers, A/B.")
 @click.option("--multiple-of", type=int, default=DEFAULTS.multiple_of,
               help="Round widths to this multiple [16; 256 for deci].")

@@ -13,7 +13,7 @@ import click
 import torch
 import torch.distributed as dist
 
-from tlm_convert.compare import format_table, load_compare, run_comparison
+from tlm_convert.compare import format_tables, load_compare, run_comparison, select
 from tlm_io.checkpoint import resolve_builtin
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_checkpoint
@@ -204,21 +204,35 @@ def export_command(model_path, fmt, output, weight_type):
 
 @tlm_main.command("compare", cls=OneLineCommand)
 @click.argument("compare_path", metavar="COMPARE.yaml")
+@click.option("--seeds", default=None, metavar="SEEDS",
+              help="Seeds to run, e.g. 0-4 or 0,2,7 [the file's seeds, else the base recipe's seed].")
+@click.option("--split", "splits", default=None, metavar="N+M,...",
+              help="Splits of N shared steps + M continued steps, e.g. 90+60,90+270 [the file's splits].")
+@click.option("--mixer", "mixers", default=None, metavar="NAME,...",
+              help="Mixers to run, e.g. attention,titans; config overrides come from the file's mixers: [the "
+                   "file's mixers, else the base recipe's].")
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="(mixer, seed) units run at a time, each in its own process (give each one CPU thread in the "
+                   "base recipe: train.num_threads).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-              help="Override a value of the compare file, e.g. --set continue_steps=50 (repeatable).")
+              help="Override a value of the compare file, e.g. --set rewarm_steps=10 (repeatable).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def compare_command(compare_path, overrides, no_progress):
-    """Converted vs from scratch at equal parameters and tokens: (a) uniform and (b) tapered from scratch, (c) uniform
-    for N steps -> tlm-convert -> M steps, (d) uniform continued for M steps. Prints the table; writes compare.json,
-    compare.md and loss_curves.png into output_dir. Finished runs are collected, not rerun."""
+def compare_command(compare_path, seeds, splits, mixers, jobs, overrides, no_progress):
+    """Does converting pay off? For every mixer, seed and split N+M: (a) uniform and (b) tapered from scratch for
+    N+M steps, (c) uniform for N steps -> tlm-convert -> M steps, (d) uniform continued for M steps, at equal
+    parameters and tokens, on one warmup-stable-decay learning-rate schedule (c and d: fresh AdamW at step N, a
+    short re-warm, then the schedule of a and b). Prints the tables (mean ± std over seeds, paired differences per
+    seed); writes compare.json, compare.md and one curves PNG per mixer and split into output_dir (named after
+    the file's report: key). Finished runs are collected, not rerun."""
     try:
         quiet_libraries()
-        spec = load_compare(compare_path, list(overrides))
-        rows = run_comparison(spec, progress=not no_progress)
+        check_positive(jobs=jobs)
+        spec = select(load_compare(compare_path, list(overrides)), seeds, splits, mixers)
+        studies = run_comparison(spec, progress=not no_progress and jobs == 1, jobs=jobs)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err, stopped="finished runs are kept; run it again to continue")
-    click.echo(format_table(rows))
-    click.echo(f"wrote {spec.output_dir}/compare.json, compare.md and loss_curves.png")
+    click.echo(format_tables(studies, spec))
+    click.echo(f"wrote {spec.output_dir}/{spec.report}.json, {spec.report}.md and curves-{spec.report}-*.png")
 
 
 __all__ = ["tlm_main"]

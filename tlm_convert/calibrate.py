@@ -167,7 +167,7 @@ class LayerSettings:
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, progress: bool = False) -> None:
     """Fill ``settings.model_scores`` when the importance metric scores neurons on the whole source ``model`` (a
     TLMForCausalLM in memory) before the layer loop changes it; a no-op for the per-layer metrics."""
-    if settings.importance in WHOLE_MODEL:
+    if settings.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
                                               progress=progress)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tlm import MIXERS, parse_ratio, taper_widths
+from tlm import MIXERS, SCHEDULES, measured_widths, parse_ratio, taper_widths
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_model
@@ -38,6 +38,7 @@ from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calib
                         score_whole_model)
 from .budget import DEFAULT_MAX_HOURS, Limits
 from .evalsets import eval_set_blocks, perplexity_entries
+from .fisher import fisher_scores, top_share_profile
 from .heal import check_heal, heal
 from .importance import METRICS, WHOLE_MODEL
 from .reconstruct import TOKEN_WEIGHTINGS
@@ -48,6 +49,10 @@ from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
+# --schedule measured: widths from the calibration's removal-cost profile (measure_widths); measured-taper keeps them
+# non-increasing with depth
+MEASURED = ("measured", "measured-taper")
+SCHEDULE_CHOICES = SCHEDULES + MEASURED
 MIXER_CHOICES = tuple(MIXERS)  # --mixer: the mixer every layer gets (attention keeps the source's)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 REFIT_TARGETS = ("residual", "local")
@@ -124,6 +129,9 @@ class ConvertOptions:
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
+        if self.low_memory and self.schedule in MEASURED:
+            raise ConversionError(f"--schedule {self.schedule} measures neurons with backward passes through the "
+                                  "whole model; drop --low-memory, or use a named schedule such as cosine")
         if self.low_memory and self.importance in WHOLE_MODEL:
             raise ConversionError(f"--importance {self.importance} scores neurons with backward passes through the "
                                   "whole model; drop --low-memory, or use --importance obs or activation")
@@ -225,7 +233,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     calib = samples = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
-    if calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
+    if opts.schedule in MEASURED or calibration_needed(src.tlm_config.intermediate_sizes, widths, settings):
         if SELF in opts.calibration_data:  # before a token is sampled (text is cut to what there is: checked below)
             check_calibration_memory(opts.calibration_tokens, opts, src.tlm_config)
         with timer("sample" if SELF in opts.calibration_data else "load"):
@@ -234,7 +242,14 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
                                                 progress=timer.on_phase is not None, limits=limits)
         check_token_ids(calib, src.tlm_config.vocab_size, "the calibration data (tokenized)")
         check_calibration_memory(calib.numel(), opts, src.tlm_config)  # before a hidden state is carried
+    measured = None
+    if opts.schedule in MEASURED:
+        with timer("rank"):
+            measured = measure_widths(model, calib, src.tlm_config, opts, settings, timer.on_phase is not None)
+        reference, widths = widths, measured["widths"]
     report = report_head(src, opts, widths, calib)
+    if measured is not None:
+        report.update(widths_cosine=reference, measured_profile=measured["profile"])
     report["notes"] = list(src.notes) + notes
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
     if model is None:
@@ -342,18 +357,49 @@ def check_calibration_memory(tokens: int, opts: ConvertOptions, config) -> None:
 def plan_widths(config, opts: ConvertOptions) -> list[int]:
     """Per-layer target widths around the base width D: a uniform source's width, or a tapered source's mean width
     (re-tapering a TLM to another schedule or ratio: each layer shrinks or grows by the difference, and the sum,
-    hence the parameter count, stays that of the source)."""
+    hence the parameter count, stays that of the source). For a measured schedule: the cosine schedule of the same
+    ratio, the reference that :func:`measure_widths` is shown beside."""
+    base, q = _base_and_multiple(config, opts)
+    schedule = "cosine" if opts.schedule in MEASURED else opts.schedule
+    try:
+        return taper_widths(len(config.intermediate_sizes), base, schedule, parse_ratio(opts.ratio), multiple_of=q)
+    except ValueError as err:
+        raise ConversionError(str(err).splitlines()[0]) from None
+
+
+def _base_and_multiple(config, opts: ConvertOptions) -> tuple[int, int]:
+    """The base width D (the source's mean MLP width) and the multiple every width is rounded to."""
     widths = config.intermediate_sizes
     base, rest = divmod(sum(widths), len(widths))
     if rest:
         raise ConversionError(f"the source MLP widths sum to {sum(widths)}, not a multiple of its {len(widths)} "
                               "layers, so no schedule of the same parameter count exists; convert the uniform "
                               "checkpoint it came from")
-    q = opts.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
+    return base, opts.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
+
+
+def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, settings: LayerSettings,
+                   progress: bool = False) -> dict:
+    """``--schedule measured`` / ``measured-taper``: the Fisher pre-pass (tlm_convert.fisher) over the calibration
+    blocks scores every MLP neuron of the source by what removing it costs the model's output; each layer's count of
+    neurons among the model's top half is its removal-cost profile, and the widths follow it at the source's
+    parameter count (tlm.schedule.measured_widths), between the ratio's two multipliers of D (1.5/0.5: 0.5 D to
+    1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
+    scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress)
+    if settings.importance in WHOLE_MODEL:
+        settings.model_scores = scores  # the same pass score_whole_model would run
+    profile = top_share_profile(scores)
+    base, q = _base_and_multiple(config, opts)
+    ratio = parse_ratio(opts.ratio)
     try:
-        return taper_widths(len(widths), base, opts.schedule, parse_ratio(opts.ratio), multiple_of=q)
+        if len(ratio) != 2:
+            raise ValueError(f"--ratio {opts.ratio}: --schedule {opts.schedule} takes two multipliers, the bounds "
+                             "of every width as multiples of the base width (e.g. 1.5/0.5)")
+        widths = measured_widths(profile, base, q, bounds=(min(ratio), max(ratio)),
+                                 monotone=opts.schedule == "measured-taper")
     except ValueError as err:
         raise ConversionError(str(err).splitlines()[0]) from None
+    return {"widths": widths, "profile": profile}
 
 
 def _param_report(before: int, after: int, opts) -> dict:
@@ -399,8 +445,8 @@ def rss_mb() -> float | None:
         return None
 
 
-__all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "resolve_importance", "report_head",
-           "PhaseTimer", "PHASES", "check_calibration_memory", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS",
-           "DEFAULT_CALIBRATION",
+__all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "measure_widths", "resolve_importance",
+           "report_head", "MEASURED", "SCHEDULE_CHOICES", "check_calibration_memory",
+           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
            "SAMPLES_FILE"]
 

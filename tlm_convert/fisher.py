@@ -96,4 +96,14 @@ def _sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator) -> torch.Ten
     return -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum")
 
 
-__all__ = ["fisher_scores", "LOGITS_BUDGET"]
+def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[float]:
+    """Per layer, how many of its neurons rank among the model's top ``share`` of all neurons by score (a global
+    rank: Fisher scores measure one quantity, the KL of the model's output, in every layer). The removal-cost profile
+    ``--schedule measured`` allocates widths by; ties are broken by position (deterministic)."""
+    flat = torch.cat([s.double().flatten() for s in scores])  # (sum I_l,)
+    layer = torch.cat([torch.full((len(s),), i) for i, s in enumerate(scores)])
+    top = torch.sort(flat, descending=True, stable=True).indices[: int(round(share * len(flat)))]
+    return [float(c) for c in torch.bincount(layer[top], minlength=len(scores))]
+
+
+__all__ = ["fisher_scores", "top_share_profile", "LOGITS_BUDGET"]

@@ -18,6 +18,8 @@ def write_plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
     ax.bar([i - 0.2 for i in layers], before, width=0.4, label="before (uniform)", color="#9aa7b1")
     ax.bar([i + 0.2 for i in layers], after, width=0.4, label=f"after ({report['schedule']})", color="#2b6cb0")
+    if "widths_cosine" in report:  # a measured schedule, beside the cosine schedule of the same ratio
+        ax.plot(layers, report["widths_cosine"], color="#2f855a", marker="_", ms=14, lw=1, label="cosine (reference)")
     ax.set_xlabel("layer")
     ax.set_ylabel("MLP width")
     profile = report.get("importance_profile")
@@ -62,11 +64,23 @@ def write_markdown(report: dict, path: Path) -> None:
                      f"- perplexity before and after conversion, and after healing ({report['heal']['tokens']:,} "
                      "tokens of logit distillation from the source):")
         lines += [f"  - {line}" for line in perplexity_lines(report)]
+    if "widths_cosine" in report:
+        lines.append("- measured widths: each layer's count of MLP neurons among the source's top half by Fisher "
+                     "removal cost on the calibration text (" + ", ".join(f"{x:g}" for x in report["measured_profile"])
+                     + "), widths proportional to it within the ratio's bounds"
+                     + (", non-increasing with depth" if report["schedule"] == "measured-taper" else "")
+                     + "; the cosine schedule of the same ratio beside them")
     lines += ["", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in report["seconds"].items()]
-    lines += ["", f"Peak memory (RSS): {report['peak_rss_mb']:.0f} MB", "",
-              "| layer | width before | width after |", "|---|---|---|"]
-    lines += [f"| {i} | {b} | {a} |" for i, (b, a) in enumerate(zip(report["widths_before"], report["widths_after"]))]
+    lines += ["", f"Peak memory (RSS): {report['peak_rss_mb']:.0f} MB", ""]
+    if "widths_cosine" in report:
+        lines += ["| layer | width before | width after | cosine (reference) |", "|---|---|---|---|"]
+        lines += [f"| {i} | {b} | {a} | {c} |" for i, (b, a, c) in
+                  enumerate(zip(report["widths_before"], report["widths_after"], report["widths_cosine"]))]
+    else:
+        lines += ["| layer | width before | width after |", "|---|---|---|"]
+        lines += [f"| {i} | {b} | {a} |" for i, (b, a) in
+                  enumerate(zip(report["widths_before"], report["widths_after"]))]
     lines += ["", "![widths](widths.png)", ""]
     path.write_text("\n".join(lines))
 

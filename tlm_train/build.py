@@ -158,17 +158,36 @@ def bf16_is_fast(device: str | torch.device) -> bool:
 
 
 def lr_factor(step: int, recipe: Recipe) -> float:
-    """Multiplier of optim.lr at ``step`` (0-based): linear warmup to 1, then decay to min_lr / lr at max_steps."""
-    o, total = recipe.optim, recipe.train.max_steps
+    """Multiplier of optim.lr at the run's ``step`` (0-based): the schedule's factor at step ``step_offset + step``
+    of its ``schedule_steps`` (default: step_offset + max_steps), times the re-warm ramp over the first
+    ``rewarm_steps``."""
+    o = recipe.optim
+    total = o.schedule_steps or o.step_offset + recipe.train.max_steps
+    factor = schedule_factor(o.step_offset + step, total, o)
+    return factor * (step + 1) / o.rewarm_steps if step < o.rewarm_steps else factor
+
+
+def schedule_factor(step: int, total: int, o) -> float:
+    """Multiplier of ``o.lr`` (an OptimSpec) at ``step`` of a schedule of ``total`` steps: linear warmup to 1, then
+    decay to min_lr / lr at ``total`` (cosine, linear), 1 (constant), or 1 until :func:`wsd_decay_start` and a
+    cosine-shaped decay from there (wsd)."""
     if o.warmup_steps and step < o.warmup_steps:
         return (step + 1) / o.warmup_steps
     floor = o.min_lr / o.lr if o.lr > 0 else 0.0
     if o.decay == "constant":
         return 1.0
-    span = max(1, total - o.warmup_steps)
-    t = min(1.0, (step - o.warmup_steps) / span)
-    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay == "cosine" else 1 - t
+    start = wsd_decay_start(total, o) if o.decay == "wsd" else o.warmup_steps
+    if step < start:
+        return 1.0
+    t = min(1.0, (step - start) / max(1, total - start))
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if o.decay in ("cosine", "wsd") else 1 - t
     return floor + (1 - floor) * shape
+
+
+def wsd_decay_start(total: int, o) -> int:
+    """The first step of a wsd schedule's decay: ``total`` less ``decay_fraction`` of it (rounded half up), never
+    inside the warmup."""
+    return max(o.warmup_steps, total - math.floor(o.decay_fraction * total + 0.5))
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -191,5 +210,5 @@ def make_optimizer(model, recipe: Recipe, device: torch.device):
 
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
-           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "param_groups",
+           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start", "param_groups",
            "make_optimizer"]

@@ -43,8 +43,9 @@ _OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|{FINAL_DIR}"
 _OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
           rf"tensorboard|{STOP_FILE}")
 # recipe keys a resume may change (the rest must equal the checkpoint's recipe.yaml)
-RESUMABLE = ("output_dir", "log", "train.max_steps", "train.num_threads", "train.device", "train.compile",
-             "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers", "trust_remote_code")
+RESUMABLE = ("output_dir", "log", "train.max_steps", "optim.schedule_steps", "train.num_threads", "train.device",
+             "train.compile", "train.gradient_checkpointing", "data.cache_dir", "data.num_proc", "data.num_workers",
+             "trust_remote_code")
 _FINGERPRINT_KEYS = ("parameters", "global_batch", "seq_len", "train_data", "seed", "skip_batches")
 
 
@@ -185,7 +186,7 @@ def check_fingerprint(path: Path, theirs: dict, ours: dict) -> None:
 
 def check_recipe(path: Path, recipe: Recipe) -> None:
     """Refuse a resume whose recipe changes the run (model config, data, optimizer, ...) beyond what a resume
-    may change (:data:`RESUMABLE`: max_steps, logging, threads, caches); names the differing keys. The
+    may change (:data:`RESUMABLE`: max_steps and the schedule's length, logging, threads, caches); names the differing keys. The
     checkpoint's recipe is read with today's defaults, so a key added to the format since it was written (at its
     default) is no change."""
     try:

@@ -58,7 +58,16 @@ class OptimSpec:
     lr: float = 4e-4  # peak learning rate (AdamW)
     min_lr: float = 4e-5  # end of the cosine decay
     warmup_steps: int = 100
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    # after the warmup: cosine / linear decay to min_lr over the rest, constant, or wsd (warmup-stable-decay: the
+    # rate stays at lr until the last decay_fraction of the schedule, then decays to min_lr, cosine-shaped; a run's
+    # first steps then do not depend on its length, so runs of several lengths share them)
+    decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of the schedule's steps that decays
+    schedule_steps: int | None = None  # the schedule's length; None: step_offset + train.max_steps (a run may stop
+    # before its schedule ends: the first N steps of a longer wsd schedule)
+    step_offset: int = 0  # this run's step 0 is step step_offset of the schedule (a continuation with a fresh
+    # optimizer that follows the schedule of a longer run; its warmup is over once step_offset >= warmup_steps)
+    rewarm_steps: int = 0  # a linear ramp from 0 to the schedule's rate over the run's first steps (fresh AdamW state)
     weight_decay: float = 0.1  # on matrices only (not norms, biases or scalars)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -361,6 +370,14 @@ def _check_semantics(r: Recipe) -> list[str]:
                        "log.eval_every": r.log.eval_every}.items():
         if value < 0:
             errors.append(f"{key}: must be >= 0, got {value}")
+    for key, value in {"optim.step_offset": r.optim.step_offset, "optim.rewarm_steps": r.optim.rewarm_steps}.items():
+        if value < 0:
+            errors.append(f"{key}: must be >= 0, got {value}")
+    if not 0 <= r.optim.decay_fraction <= 1:
+        errors.append(f"optim.decay_fraction: must be in [0, 1], got {r.optim.decay_fraction}")
+    if r.optim.schedule_steps is not None and r.optim.schedule_steps < r.optim.step_offset + r.train.max_steps:
+        errors.append(f"optim.schedule_steps: {r.optim.schedule_steps} is shorter than the run (optim.step_offset "
+                      f"{r.optim.step_offset} + train.max_steps {r.train.max_steps}); raise it or leave it out")
     if r.optim.min_lr > r.optim.lr:
         errors.append(f"optim.min_lr: {r.optim.min_lr} is above optim.lr {r.optim.lr}")
     if len(r.optim.betas) != 2 or not all(0 <= b < 1 for b in r.optim.betas):

@@ -60,7 +60,8 @@ from tlm_io.perplexity import nll_sum
 from tlm_io.text import to_blocks
 
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, load_pretrained, lr_factor,
-                    make_optimizer, prepare_student, restore_student, select_trainable, student_and_tokenizer)
+                    make_optimizer, prepare_student, restore_student, schedule_factor, select_trainable,
+                    student_and_tokenizer, wsd_decay_start)
 from .checkpoints import (STOP_FILE, CheckpointStore, discard_new_folder, fingerprint, list_checkpoints,
                           lock_run_folder, resume_path, seed_everything)
 from .data import CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, micro_batch_loader, recipe_tokens
@@ -356,5 +357,5 @@ def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCa
 
 
 __all__ = ["train", "TrainResult", "TrainError", "STOP_FILE", "training_blocks", "bf16_is_fast", "lr_factor",
-           "select_trainable", "lm_loss", "distill_loss", "hidden_loss", "list_checkpoints",
+           "schedule_factor", "wsd_decay_start", "select_trainable", "lm_loss", "distill_loss", "hidden_loss", "list_checkpoints",
            "build_model_and_tokenizer", "load_pretrained"]
