@@ -487,6 +487,7 @@ def parse_args(argv=None):
                     help="comma-separated, each BASE[/OPTION...] (see Variant) [%(default)s]")
     ap.add_argument("--gemma-variants", type=lambda x: x.split(","), default=["heal_chunked", "heal_topk"],
                     help="Gemma 3's peak-RSS children with --gemma [%(default)s]")
+    ap.add_argument("--no-rss", action="store_true", help="the side-by-side timing only (no peak-RSS children)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--sweep-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -520,7 +521,8 @@ def main(argv=None) -> None:
         result["sweep"] = sweep(args)
     else:
         result["models"] = {args.model: {"timing": side_by_side(args.model, args, bf16), "peak_rss": {}}}
-        for v in (("heal_chunked",) if args.quick else args.variants):  # quick: one child, the path checked
+        children = () if args.no_rss else ("heal_chunked",) if args.quick else args.variants
+        for v in children:  # quick: one child, the path checked
             row = run_child(_child_argv(args, args.model, v), args.rss_limit_gb)
             result["models"][args.model]["peak_rss"][v] = row
             print(f"{args.model} {v} peak RSS: {row}", flush=True)
