@@ -100,7 +100,7 @@ def run_compare(seed: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from tlm_train.compare import CompareSpec, run_comparison
+    from tlm_convert.compare import CompareSpec, run_comparison
 
     base = scratch_recipe("attention", "uniform", seed, out=RUNS / f"compare-s{seed}" / "base")
     base["log"]["eval_every"] = 30

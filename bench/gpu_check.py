@@ -218,8 +218,8 @@ def measure_heal(spec: dict):
     from tlm_convert.convert import SAMPLES_FILE, ConvertOptions, convert
     from tlm_convert.evalsets import eval_set_blocks
     from tlm_convert.heal import HEAL_RECIPE, heal_data, heal_recipe, healed_entries
-    from tlm_convert.load import load_model
-    from tlm_convert.perplexity import perplexity
+    from tlm_io.load import load_model
+    from tlm_io.perplexity import perplexity
     from tlm_train.trainer import STOP_FILE, list_checkpoints, train
 
     end = spec["deadline"]  # the parent stops this worker then (CLOCK_MONOTONIC: the same in every process)
@@ -455,7 +455,7 @@ def _tiny_llama(folder: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tlm_train.data import byte_tokenizer
+    from tlm_io.load import byte_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

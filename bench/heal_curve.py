@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.evalsets import eval_set_blocks, geomean
 from tlm_convert.convert import SAMPLES_FILE
+from tlm_convert.evalsets import eval_set_blocks, geomean
 from tlm_convert.heal import heal_data, heal_recipe
-from tlm_convert.load import load_model
-from tlm_convert.perplexity import perplexity
+from tlm_io.load import load_model
+from tlm_io.perplexity import perplexity
 from tlm_train.trainer import list_checkpoints, train
 
 

@@ -163,7 +163,7 @@ def build(model: str, quick: bool, all_trainable: bool = False):
         vocab = 4096 if model == "gemma3-270m" else 1024
         student, teacher = tiny_model(vocab, 0), tiny_model(vocab, 1)
     else:
-        from tlm_convert.load import load_model
+        from tlm_io.load import load_model
 
         student, _, _ = load_model(model, with_tokenizer=False)
         teacher = copy.deepcopy(student)

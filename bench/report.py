@@ -30,10 +30,10 @@ PROTOCOL = """\
 ## How these were measured
 
 - **Perplexity** is measured on disjoint 512-token windows of the bundled evaluation sets
-  (`tlm_convert/data/`; the first 16,384 tokens of each set unless a table says 4,096), with the model's own
+  (`tlm_io/data/`; the first 16,384 tokens of each set unless a table says 4,096), with the model's own
   tokenizer; a **ratio** is the converted (or healed) model's perplexity over its source's on the same windows.
 - **In and out of the calibration's domain**: the default calibration is the bundled mix
-  (`tlm_convert/data/calibration_mix.txt`: prose, C, Perl, a manual) plus text sampled from the source itself;
+  (`tlm_io/data/calibration_mix.txt`: prose, C, Perl, a manual) plus text sampled from the source itself;
   `default-eval` (Factbook prose) is its domain. Fiction, Python code, legal text and encyclopedic prose are out of
   it; **OOD** is the geometric mean of the ratios over the out-of-domain sets of the row.
 - **Time**: wall seconds, and process CPU seconds where a table gives them (on a shared machine the CPU seconds are

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from tlm_train.cli import tlm_main
+from tlm_cli.main import tlm_main
 from tlm_train.analyze import (
     AlignmentResult,
     AnalysisError,

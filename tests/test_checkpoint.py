@@ -1,4 +1,4 @@
-"""load_source (tlm_convert/checkpoint.py): every accepted input and every refusal, on tiny random models.
+"""load_source (tlm_io/checkpoint.py): every accepted input and every refusal, on tiny random models.
 
 Each input kind is checked end to end: the TLM built from ``Source`` gives the logits of the transformers model
 (fp32, max |diff| <= 1e-5). Every error is a ConversionError with a one-line message that names the problem.
@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from tlm import TLMForCausalLM
-from tlm_convert.archs import SUPPORTED_ARCHITECTURES
-from tlm_convert.checkpoint import SafetensorsFiles, Source, load_source, read_state_dict, weight_files
-from tlm_convert.errors import ConversionError
+from tlm_io.archs import SUPPORTED_ARCHITECTURES
+from tlm_io.checkpoint import SafetensorsFiles, Source, load_source, read_state_dict, weight_files
+from tlm_io.errors import ConversionError
 
 V, TOL = 99, 1e-5
 IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -206,7 +206,7 @@ def test_gguf_file(tmp_path):
 
 def _transformers_gguf_source(file, monkeypatch):
     """load_source through transformers' GGUF loader (the path before the tensor-by-tensor reader)."""
-    from tlm_convert import checkpoint
+    from tlm_io import checkpoint
 
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "_read_gguf_tensors", lambda *args: None)
@@ -330,6 +330,17 @@ def test_unreproducible_setting(tmp_path):
     model = _random_model(_llama_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
     model.save_pretrained(tmp_path)
     _error(tmp_path, r"cannot import 'llama' exactly: rope_parameters\.rope_type='dynamic'")
+
+
+def test_broken_generation_config_is_named_and_skipped(tmp_path):
+    """A generation_config.json transformers cannot read does not block the load: a warning names the file."""
+    model = _random_model(_llama_config())
+    model.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.warns(UserWarning, match=r"generation_config\.json was not read"):
+        source = load_source(tmp_path)
+    assert source.generation_config is None
+    _assert_same(source, model)
 
 
 def test_nan_weight(tmp_path):

@@ -10,13 +10,13 @@ from tiny_sources import DATA, FAMILIES, WIDTH, make_source, source_logits, tiny
 from transformers import AutoModelForCausalLM
 
 import tlm
-from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_convert.checkpoint import load_source
 from tlm_convert import convert as convert_module
+from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
 from tlm_convert.upcycle import upcycle
+from tlm_io.checkpoint import load_source
 
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
 
@@ -245,7 +245,7 @@ def test_phase_timer_snapshot_counts_running_phases():
 
 def test_calibration_blocks_are_spread_over_the_whole_text():
     # the bundled sample is a handbook followed by encyclopedic prose: a prefix would only ever see the handbook
-    from tlm_convert.data import token_blocks
+    from tlm_io.text import token_blocks
 
     def tokenizer(text, add_special_tokens=False):
         return {"input_ids": list(range(len(text.split())))}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from tlm_train.evaluate import strided_perplexity, windows
+from tlm_io.perplexity import strided_perplexity, windows
 
 
 def test_windows_score_every_token_once():

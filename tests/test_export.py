@@ -1,4 +1,4 @@
-"""export_model (tlm_convert/export.py): every format loads back in transformers with the TLM's logits.
+"""export_model (tlm_io/export.py): every format loads back in transformers with the TLM's logits.
 
 Tiny random fp32 models with odd per-layer widths [48, 37, 26] for tlm / hf / padded in every source family,
 [512, 256, 256] at hidden size 64 for deci. Each export is reloaded with ``AutoModelForCausalLM.from_pretrained``
@@ -31,10 +31,10 @@ from transformers import (
 )
 
 from tlm import TLMForCausalLM
-from tlm_convert.archs import family_of, tlm_config_from_hf
-from tlm_convert.checkpoint import Source, load_source
-from tlm_convert.errors import ConversionError
-from tlm_convert.export import deci_width, export_model
+from tlm_io.archs import family_of, tlm_config_from_hf
+from tlm_io.checkpoint import Source, load_source
+from tlm_io.errors import ConversionError
+from tlm_io.export import deci_width, export_model
 
 V, TOL, WINDOW = 99, 1e-5, 5
 WIDTHS = [48, 37, 26]
@@ -171,7 +171,7 @@ def test_hf_view_without_source_infers_architecture(tapered, tmp_path):
 
 
 def test_hf_view_loads_without_the_package(tapered, tmp_path):
-    """Only transformers and the files of the export: tlm / tlm_convert cannot be imported in the child."""
+    """Only transformers and the files of the export: no package of this project can be imported in the child."""
     cfg, model, ref = tapered["llama"]
     out = tmp_path / "hf_llama_alone"
     export_model(model, out, "hf", _source(cfg))
@@ -180,14 +180,15 @@ def test_hf_view_loads_without_the_package(tapered, tmp_path):
         import importlib.abc, sys
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("tlm", "tlm_convert"):
+                if name.split(".")[0] in ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli"):
                     raise ImportError("hidden: " + name)
         sys.meta_path.insert(0, Block())
         sys.path = [p for p in sys.path if p not in ("", {os.getcwd()!r})]
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32).eval()
-        assert not any(m.split(".")[0] in ("tlm", "tlm_convert") for m in sys.modules), "tlm was imported"
+        ours = ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli")
+        assert not any(m.split(".")[0] in ours for m in sys.modules), "tlm was imported"
         expected = torch.load({str(tmp_path / "expected.pt")!r})
         with torch.no_grad():
             diff = (model(expected["ids"]).logits - expected["ref"]).abs().max().item()
@@ -226,7 +227,7 @@ def test_deci(tmp_path):
 
 
 def test_deci_ffn_mult_round_trips_at_real_sizes():
-    from tlm_convert.export import ffn_mult_for
+    from tlm_io.export import ffn_mult_for
 
     for hidden in (576, 2048, 3072, 4096, 5120, 8192):
         for width in range(256, 8 * hidden + 1, 256):

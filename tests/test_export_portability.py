@@ -20,8 +20,8 @@ from transformers import AutoConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tiny_sources import make_source
 from tlm import TLMConfig, TLMForCausalLM
-from tlm_convert.checkpoint import load_source
-from tlm_convert.export import export_model
+from tlm_io.checkpoint import load_source
+from tlm_io.export import export_model
 
 TEXT = "To be, or not to be: that is the question."
 TAPERED = [72, 61, 36, 24]
@@ -76,7 +76,7 @@ def test_auto_tokenizer_does_not_prompt(exports, fmt):
 
 def test_v5_only_class_rewritten(exports, tmp_path):
     """What transformers 5 writes after reading a GGUF tokenizer ("TokenizersBackend") becomes a class 4.x has."""
-    from tlm_convert.export import portable_tokenizer_config
+    from tlm_io.export import portable_tokenizer_config
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((exports / "hf" / name).read_bytes())

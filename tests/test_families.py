@@ -1,4 +1,4 @@
-"""Exact import of every supported source family (tlm_convert/archs.py): tiny random transformers models, fp32.
+"""Exact import of every supported source family (tlm_io/archs.py): tiny random transformers models, fp32.
 
 Each case builds a transformers model from a config (no download), perturbs EVERY parameter (norm weights and
 biases included, so nothing sits at its trivial init), converts config + state dict, loads the TLM with
@@ -25,7 +25,7 @@ from transformers import (
 
 import tlm  # noqa: F401  (registers the Auto classes)
 from tlm import TLMForCausalLM
-from tlm_convert.archs import SUPPORTED_ARCHITECTURES, family_of, tlm_config_from_hf, tlm_state_dict_from_hf
+from tlm_io.archs import SUPPORTED_ARCHITECTURES, family_of, tlm_config_from_hf, tlm_state_dict_from_hf
 
 V, I, SEQ, WINDOW = 99, 37, 16, 5
 TOL = 1e-5

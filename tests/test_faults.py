@@ -31,8 +31,8 @@ from click.testing import CliRunner
 from test_train import tiny_recipe
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-from tlm_convert.cli import convert_main
-from tlm_train.cli import tlm_main
+from tlm_cli.convert import convert_main
+from tlm_cli.main import tlm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "256", "--seq-len", "64", "--batch-size", "4",
@@ -107,7 +107,7 @@ def _publish_killed_at(step: int, tmp: Path, out: Path) -> bool:
     pid = os.fork()
     if pid == 0:  # the child: count the calls, die at the chosen one
         try:
-            from tlm_convert.outputs import publish
+            from tlm_io.outputs import publish
 
             count = [0]
 
@@ -142,7 +142,7 @@ def test_a_kill_while_replacing_leaves_the_old_or_the_new_output(tmp_path, monke
         old, new = _fake_output(out, "old"), _fake_output(tmp, "new")
         killed = _publish_killed_at(step, tmp, out)
         if not exchange:
-            from tlm_convert.outputs import clean_stale
+            from tlm_io.outputs import clean_stale
 
             clean_stale(out)  # what the next run does first, holding the lock
         assert out.is_dir() and _digest(out) in (old, new), f"kill at step {step}: {sorted(_digest(out))}"
@@ -155,7 +155,7 @@ def test_a_kill_while_replacing_leaves_the_old_or_the_new_output(tmp_path, monke
 
 
 def test_stale_output_folders_are_cleaned_and_a_set_aside_output_restored(tmp_path):
-    from tlm_convert.outputs import clean_stale
+    from tlm_io.outputs import clean_stale
 
     out = tmp_path / "out"
     old = _fake_output(tmp_path / ".out.old-123", "old")
@@ -230,7 +230,7 @@ def test_resume_never_unpickles_a_handed_over_checkpoint(trained, tmp_path):
 def test_no_source_file_loads_with_pickle():
     """Case 4, statically: nothing in the packages calls torch.load without weights_only=True, or pickle.load."""
     offenders = []
-    for package in ("tlm", "tlm_convert", "tlm_train"):
+    for package in ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli"):
         for file in (ROOT / package).rglob("*.py"):
             text = file.read_text(encoding="utf-8")
             if "weights_only=False" in text or "pickle.load" in text:
@@ -268,7 +268,7 @@ def test_a_second_run_into_the_same_output_is_refused_and_a_dead_run_does_not_bl
     """Case 6: while another process holds OUTPUT, a run into it is refused naming the holder. Case 11: once that
     process is killed (SIGKILL: its lock file stays), the next run goes ahead and removes a dead run's temp folder."""
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tlm_convert.outputs import OutputLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tlm_io.outputs import OutputLock\n"
                                f"OutputLock({str(out)!r}).acquire()\nprint('locked', flush=True)\ntime.sleep(600)"],
                               stdout=subprocess.PIPE, text=True, env=ENV)
     try:
@@ -288,7 +288,7 @@ def test_a_second_run_into_the_same_output_is_refused_and_a_dead_run_does_not_bl
 
 
 def test_a_second_training_run_into_the_same_output_dir_is_refused(tmp_path):
-    from tlm_convert.outputs import OutputLock
+    from tlm_io.outputs import OutputLock
 
     path = _write_recipe(tmp_path, _tiny_recipe(tmp_path))
     with OutputLock(tmp_path / "run"):

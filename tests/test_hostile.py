@@ -17,8 +17,8 @@ import yaml
 from test_faults import _convert, _one_error_line, _tiny_recipe, _tlm, _write_recipe
 from tiny_sources import make_source, tiny_tokenizer
 
-from tlm_convert.errors import ConversionError
-from tlm_convert.outputs import OutputLock, clean_stale, clean_stale_in
+from tlm_io.errors import ConversionError
+from tlm_io.outputs import OutputLock, clean_stale, clean_stale_in
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_an_absurd_recipe_model_is_refused_before_anything_is_built(tmp_path, fi
 
 
 def test_a_model_beyond_the_available_memory_is_refused(monkeypatch):
-    from tlm_convert import sizes
+    from tlm_io import sizes
 
     monkeypatch.setattr(sizes, "available_memory", lambda: 1 << 30)
     cfg = {"num_hidden_layers": 64, "hidden_size": 8192, "intermediate_size": 28672, "vocab_size": 128256}

@@ -96,7 +96,7 @@ def test_remote_code_loads_without_the_package(tmp_path, ids):
         import sys, torch
         class Block:  # an editable install puts the package on a meta-path finder: refuse it outright
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("tlm", "tlm_convert"):
+                if name.split(".")[0] in ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli"):
                     raise ImportError("hidden: " + name)
         sys.meta_path.insert(0, Block())
         sys.path = [p for p in sys.path if p not in ('', {os.getcwd()!r})]

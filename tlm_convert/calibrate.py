@@ -42,8 +42,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tlm_io.errors import ConversionError
+
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
-from .errors import ConversionError
 from .fisher import fisher_scores
 from .importance import OBS_METRICS, WHOLE_MODEL, StopForward, activation_stats, add_gram, neuron_scores, sensitivity
 from .reconstruct import reconstruct_mlp, token_weights

@@ -2,7 +2,7 @@
 
 load -> (eval before) -> calibrate / rank / resize, layer by layer (calibrate.convert_layers) -> upcycle mixer ->
 strict reload and parameter check -> (eval after) -> export into a temporary folder -> report and plot -> publish
-(tlm_convert.outputs.publish: an atomic swap onto OUTPUT). OUTPUT is checked before anything is loaded and locked
+(tlm_io.outputs.publish: an atomic swap onto OUTPUT). OUTPUT is checked before anything is loaded and locked
 for the whole run.
 
 ``--low-memory`` runs the same layer loop under the low-memory policy with a streamed source and sink
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import resource
 import time
@@ -25,24 +24,24 @@ from pathlib import Path
 import torch
 
 from tlm import MIXERS, parse_ratio, taper_widths
+from tlm_io.checkpoint import load_source
+from tlm_io.errors import ConversionError
+from tlm_io.export import FORMATS, export_model
+from tlm_io.load import load_tokenizer, materialize
+from tlm_io.outputs import check_free_space, check_output_path, output_bytes, output_run, save_errors, staged
+from tlm_io.perplexity import perplexity
 
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
-from .checkpoint import load_source
-from .errors import ConversionError
 from .evalsets import eval_set_blocks, perplexity_entries
-from .export import FORMATS, export_model
 from .heal import check_heal, heal
 from .importance import METRICS, WHOLE_MODEL
-from .load import load_tokenizer, materialize
-from .outputs import OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors, staged
-from .perplexity import perplexity
-from .surgery import GROW_INITS
 from .reconstruct import TOKEN_WEIGHTINGS
+from .report import write_markdown, write_plot
 from .samples import SELF, calibration_blocks, samples_text
+from .stream import StreamedLayers, check_streamable, open_stream
+from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
-
-logger = logging.getLogger(__name__)
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
 MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
@@ -175,18 +174,16 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
 
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
-    the whole run (a second run into it is refused); folders left by killed runs are cleaned (tlm_convert.outputs).
+    the whole run (a second run into it is refused); folders left by killed runs are cleaned, and a failed run
+    removes the parents of OUTPUT it created (tlm_io.outputs.output_run).
     """
     opts = options or ConvertOptions()
     opts.validate()
     out = Path(output)
     check_output_path(source, out, opts.overwrite)
     if opts.low_memory:
-        from .stream import check_streamable
-
         check_streamable(opts)
-    with OutputLock(out):
-        clean_stale(out)
+    with output_run(out):
         return _convert(source, out, opts, on_phase, on_layer)
 
 
@@ -255,8 +252,6 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer) -
 def _open(source, opts):
     """The source: loaded whole (a Source) or opened for streaming (a StreamSource, for ``low_memory``)."""
     if opts.low_memory:
-        from .stream import open_stream
-
         src = open_stream(source, trust_remote_code=opts.trust_remote_code)
     else:
         src = load_source(source, dtype=torch.float32, trust_remote_code=opts.trust_remote_code)
@@ -282,8 +277,6 @@ def resolve_importance(opts: ConvertOptions, width: int) -> list[str]:
 
 def _convert_streamed(src, out: Path, opts, widths, calib, evalb, settings, report, timer, on_layer, need) -> dict:
     """The layer loop under the low-memory policy, from a streamed source into shards (tlm_convert.stream)."""
-    from .stream import StreamedLayers
-
     config = copy.deepcopy(src.tlm_config)
     config.intermediate_sizes = list(widths)
     final_config = upcycled_config(config, opts.mixer)
@@ -348,8 +341,6 @@ def _write_output(out: Path, report: dict, timer, write_model) -> None:
     with staged(out) as tmp:
         write_model(tmp)
         with timer("save"):
-            from .report import write_markdown, write_plot
-
             write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count
             report["seconds"] = timer.snapshot()
             report["peak_rss_mb"] = peak_rss_mb()

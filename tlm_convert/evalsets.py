@@ -1,6 +1,6 @@
 """Several evaluation sets in one conversion: their blocks, and the report's perplexity before/after per set.
 
-``--eval-data`` names one or more sets (tlm_convert.data.eval_sources). The report keeps, per set, the perplexity
+``--eval-data`` names one or more sets (tlm_io.text.eval_sources). The report keeps, per set, the perplexity
 before and after conversion and their ratio, whether the set shares the calibration sample's domain (it is the
 calibration source itself, or in ``data.IN_DOMAIN`` with the bundled calibration sample), and the geometric mean of
 the ratios over the out-of-domain sets: the figure that says how the conversion holds up on text the calibration
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .data import IN_DOMAIN, eval_sources, load_text, token_blocks
+from tlm_io.text import IN_DOMAIN, eval_sources, load_text, token_blocks
 
 
 def eval_set_blocks(tokenizer, data, seq_len: int, max_tokens: int) -> dict[str, torch.Tensor] | None:

@@ -21,7 +21,6 @@ refuses them once, before anything is read.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from dataclasses import dataclass
@@ -33,21 +32,20 @@ from torch.nn import functional as F
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
-
-from .archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
-from .checkpoint import (
+from tlm_io.archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
+from tlm_io.checkpoint import (
     BinTensors,
     GGUFTensors,
-    TensorIndex,
     SafetensorsFiles,
     Source,
+    TensorIndex,
     check_shapes,
     generation_config_of,
     import_hf_config,
     locate,
     prepare_tensor,
-    read_hf_config,
     read_gguf_config,
+    read_hf_config,
     read_json,
     read_tlm_config,
     tie_missing_head,
@@ -55,13 +53,13 @@ from .checkpoint import (
     unsupported_error,
     weight_files,
 )
-from .errors import ConversionError, first_few
-from .export import copy_tokenizer, write_generation_config
-from .perplexity import nll_sum
-from .sizes import check_model_size
-from .upcycle import carry_scores, upcycle_layer
+from tlm_io.errors import ConversionError, first_few
+from tlm_io.export import copy_tokenizer, write_generation_config
+from tlm_io.heap import trim_heap
+from tlm_io.perplexity import nll_sum
+from tlm_io.sizes import check_model_size
 
-logger = logging.getLogger(__name__)
+from .upcycle import carry_scores, upcycle_layer
 
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,7 +83,7 @@ def check_streamable(opts) -> None:
 
 @dataclass(kw_only=True)
 class StreamSource(Source):
-    """A :class:`~tlm_convert.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
+    """A :class:`~tlm_io.checkpoint.Source` read tensor by tensor (its ``state_dict`` stays empty): TLM name ->
     (source name, transform, part) in ``targets``."""
 
     tensors: TensorIndex  # SafetensorsFiles, BinTensors or GGUFTensors
@@ -257,7 +255,7 @@ class StreamedLayers:
         with self.timer("save"):
             self._write_shard(i + 2, state)
         del state
-        _trim_heap()
+        trim_heap()
 
     def finish(self) -> None:
         """The last shard (final norm, untied head), the perplexities, the index and the model files."""
@@ -366,16 +364,6 @@ def _perplexity(base, tensors: dict, head: torch.Tensor, hidden, eval_state) -> 
         total = sums.setdefault(name, [0.0, 0])
         total[0], total[1] = total[0] + part, total[1] + n
     return {name: math.exp(total / count) for name, (total, count) in sums.items()}
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc malloc_trim) so that freed layers leave the RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 __all__ = ["open_stream", "check_streamable", "StreamSource", "StreamedLayers",

@@ -18,8 +18,7 @@ import torch
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.cms import split_level_widths
 from tlm.mixers import cms_multiple_of
-
-from .errors import ConversionError
+from tlm_io.errors import ConversionError
 
 
 def upcycle(config: TLMConfig, state_dict: dict, mixer: str, scores: list[torch.Tensor] | None = None,

@@ -1,2 +1,2 @@
-"""Training, evaluation and analysis of TLMs: ``tlm train`` (recipes, checkpoints, resume, DDP, distillation),
-``tlm analyze`` (residual alignment) and ``tlm compare`` (converted vs from scratch)."""
+"""tlm_train: training TLMs (``tlm train``: recipes, token cache, checkpoints, resume, DDP/FSDP, distillation),
+``tlm tokenize`` and the residual-alignment analysis of ``tlm analyze``. Imports only tlm and tlm_io."""

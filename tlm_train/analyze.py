@@ -49,6 +49,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tlm.cms import ContinuumMemory
+from tlm.modeling_tlm import TLMDecoderLayer
+from tlm_io.errors import AnalysisError
+
 logger = logging.getLogger(__name__)
 
 REFERENCES = ("h", "z")
@@ -56,10 +60,6 @@ _REFERENCE_TEXT = {
     "h": "h_l: block input (residual stream before the mixer)",
     "z": "z_l: residual after the mixer, before the pre-MLP norm (what the MLP half reads)",
 }
-
-
-class AnalysisError(ValueError):
-    """The analysis cannot run on this model or data; the message says why, on one line."""
 
 
 # ================================================================================================ results
@@ -151,9 +151,6 @@ def _layers_of(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _resolve_sites(model: nn.Module) -> tuple[str, list[_Site]]:
     """(architecture label, one _Site per layer)."""
-    from tlm.cms import ContinuumMemory
-    from tlm.modeling_tlm import TLMDecoderLayer
-
     path, layers = _layers_of(model)
     sites = []
     arch = "tlm" if isinstance(layers[0], TLMDecoderLayer) else ("gpt2" if path.endswith("h") else "transformers")

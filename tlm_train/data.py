@@ -1,7 +1,7 @@
 """Training data: text -> token ids (a sharded cache) -> fixed-length blocks -> a deterministic, resumable batch
 order -> a DataLoader per rank.
 
-Text comes through :func:`tlm_convert.data.load_text`'s sources (local .txt/.jsonl/.parquet files or folders, a hub
+Text comes through :func:`tlm_io.text.load_text`'s sources (local .txt/.jsonl/.parquet files or folders, a hub
 dataset name when online, ``default`` for the bundled English sample). :func:`token_shards` tokenizes it once, in
 parallel and resumably, into memory-mapped shards under ``cache_dir/<key>/`` (tlm_train.shards), the key hashing
 the data's identity (path, size and mtime of every file, or the dataset name), the tokenizer's vocabulary and the
@@ -25,48 +25,11 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.data import BUNDLED, is_plain_text, load_text
+from tlm_io.text import BUNDLED, dataset_rows, is_plain_text, load_text
 
 from .shards import GroupWriter, TokenBlocks, TokenShards, open_shards, token_dtype, write_shards
 
 logger = logging.getLogger(__name__)
-
-BYTE_TOKENIZER = "byte"
-
-
-def byte_tokenizer():
-    """UTF-8 bytes as tokens (ids 0..255) plus ``<|endoftext|>`` (256), as a transformers fast tokenizer that
-    saves and loads like any other (ByteLevel BPE without merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = _byte_chars()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-def _byte_chars() -> dict[int, str]:
-    """The printable character standing for each byte in byte-level BPE vocabularies (GPT-2's convention:
-    printable Latin-1 bytes stand for themselves, the others map to code points from 256 up, in byte order)."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    if name == BYTE_TOKENIZER:
-        return byte_tokenizer()
-    from tlm_convert.remote_code import auto_tokenizer
-
-    return auto_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _data_identity(source: str) -> dict:
@@ -141,7 +104,6 @@ def _separator(tokenizer) -> list[int]:
 def _documents(source: str):
     """(text, joined) of every document of ``source`` in order; ``joined``: a separator goes before it (all but the
     first document; a text file is one document, read in pieces of about 1M characters at line breaks)."""
-    from tlm_convert.data import dataset_rows
 
     path = BUNDLED.get(source, Path(source).expanduser())
     if is_plain_text(path):
@@ -155,11 +117,6 @@ def _documents(source: str):
         return
     for i, text in enumerate(dataset_rows(path, source)):
         yield text, i > 0
-
-
-def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    n = len(ids) // seq_len
-    return ids[: n * seq_len].view(n, seq_len)  # (n, seq_len)
 
 
 class BatchOrder:
@@ -219,5 +176,5 @@ def micro_batch_loader(order: BatchOrder, rank: int, first_step: int, last_step:
         yield ids.pin_memory() if pin_memory else ids
 
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks",
-           "BatchOrder", "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]
+__all__ = ["token_shards", "tokenize_cached", "recipe_tokens", "BatchOrder", "MicroBatches", "micro_batch_loader",
+           "TokenBlocks"]

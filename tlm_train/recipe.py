@@ -20,9 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message lists every problem, one per line."""
+from tlm import TLMConfig
+from tlm_io.errors import RecipeError
 
 
 @dataclass
@@ -290,8 +289,6 @@ def _model_config_problems(config: dict) -> list[str]:
     import inspect
 
     from transformers import PretrainedConfig
-
-    from tlm import TLMConfig
 
     known = {name for cls in (TLMConfig, PretrainedConfig)
              for name, p in inspect.signature(cls.__init__).parameters.items()

@@ -23,7 +23,7 @@ RNG and the data position, so the loss curve continues exactly as an uninterrupt
 different model or batch layout is refused; ``resume=True`` skips, with a warning, checkpoints that do not match
 their manifest (a kill or full disk while saving) and takes the newest complete one. SIGINT / SIGTERM, or a file
 named ``STOP`` in output_dir, end the run at the next step boundary with a checkpoint. output_dir is locked for
-the run (tlm_convert.outputs.OutputLock): a second run into it is refused.
+the run (tlm_io.outputs.OutputLock): a second run into it is refused.
 """
 
 from __future__ import annotations
@@ -46,17 +46,21 @@ import torch.distributed as dist
 import yaml
 import torch.nn.functional as F
 
+from tlm import TLMConfig, TLMForCausalLM
 from tlm.slow import SlowLevels
-from tlm_convert.errors import ConversionError, first_few
-from tlm_convert.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
-                                 publish, save_errors)
-from tlm_convert.perplexity import nll_sum
-from tlm_convert.sizes import check_model_size
+from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
+from tlm_io.export import export_model
+from tlm_io.load import load_model, load_tokenizer
+from tlm_io.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+                            publish, save_errors)
+from tlm_io.perplexity import nll_sum
+from tlm_io.sizes import check_model_size
+from tlm_io.text import to_blocks
 
 from . import state_io
-from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
+from .data import BatchOrder, TokenBlocks, micro_batch_loader, recipe_tokens
 from .losses import head_loss, teacher_topk
-from .recipe import Recipe, RecipeError, recipe_from_dict
+from .recipe import Recipe, recipe_from_dict
 from .teacher_cache import TeacherTopCache
 from .teacher import store_for_autocast
 
@@ -68,10 +72,6 @@ STOP_FILE = "STOP"
 _OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|final"
 _OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
           rf"tensorboard|{STOP_FILE}")
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue (bad checkpoint, mismatched resume, ...): one line saying what to do."""
 
 
 @dataclass
@@ -151,8 +151,6 @@ def _seed_everything(seed: int) -> None:
 
 def build_model_and_tokenizer(recipe: Recipe):
     """(TLMForCausalLM, tokenizer): from scratch (``model``) or from ``init_from`` (any supported checkpoint)."""
-    from tlm import TLMConfig, TLMForCausalLM
-
     if recipe.model is not None:
         tokenizer = load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
         kwargs = dict(recipe.model.config)
@@ -181,10 +179,6 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
     """A TLMForCausalLM from any checkpoint tlm-convert reads (TLM, transformers folder, GGUF), and its tokenizer
     (``tokenizer_name`` when given, else the checkpoint's; None when ``with_tokenizer`` is false). The tokenizer
     runs the folder's own code only with ``trust_remote_code``."""
-    from tlm_convert.errors import ConversionError
-    from tlm_convert.load import load_model
-    from tlm_convert.load import load_tokenizer as source_tokenizer
-
     try:
         model, _, src = load_model(path, with_tokenizer=False, trust_remote_code=trust_remote_code)
     except ConversionError as err:
@@ -195,7 +189,7 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
         return model, load_tokenizer(tokenizer_name, trust_remote_code)
     if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    return model, source_tokenizer(src)
+    return model, load_tokenizer(src)
 
 
 def select_trainable(model, patterns: list[str]) -> int:
@@ -524,7 +518,7 @@ class _Run:
     def _load_checkpoint(self, path: Path) -> None:
         try:
             self._restore(path)
-        except state_io.StateError as err:
+        except StateError as err:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 
@@ -654,8 +648,6 @@ class _Run:
     def _write_model(self, folder: Path, weights: dict) -> None:
         """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
         from transformers.utils import logging as hf_logging
-
-        from tlm_convert.export import export_model
 
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
         export_model((self.model_config, {k: v.detach().cpu() for k, v in weights.items()}), folder, "tlm")
@@ -909,7 +901,7 @@ def _read_trainer_state(path: Path) -> dict:
         int(state["step"])
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise state_io.StateError(f"{file} cannot be read ({type(err).__name__})") from None
+        raise StateError(f"{file} cannot be read ({type(err).__name__})") from None
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -922,7 +914,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             weights.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error type
-            raise state_io.StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+            raise StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
     return weights
 
 

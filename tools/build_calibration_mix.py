@@ -1,4 +1,4 @@
-"""Build tlm_convert/data/calibration_mix.txt, the default calibration sample (provenance: tlm_convert/data/README.md).
+"""Build tlm_io/data/calibration_mix.txt, the default calibration sample (provenance: tlm_io/data/README.md).
 
 Offline, deterministic, from files of Debian packages installed on the build machine (Debian 12):
 

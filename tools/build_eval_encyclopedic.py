@@ -1,4 +1,4 @@
-"""Build tlm_convert/data/eval_encyclopedic.txt, the encyclopedic evaluation set (provenance: tlm_convert/data/README.md).
+"""Build tlm_io/data/eval_encyclopedic.txt, the encyclopedic evaluation set (provenance: tlm_io/data/README.md).
 
 Offline and deterministic, from the Debian package ``stellarium-data`` (0.22.2-1): the English descriptions of
 Stellarium's sky cultures (``skycultures/NAME/description.en.utf8``, HTML), which are reference prose on the
@@ -9,7 +9,7 @@ paragraphs, images and their captions go, entities are decoded, list items and t
 ``MIN_CHARS`` characters that end a sentence, without bibliographic references, addresses or contributor lines.
 
     apt-get download stellarium-data && dpkg-deb -x stellarium-data_*.deb pkg
-    python tools/build_eval_encyclopedic.py pkg/usr/share/stellarium/skycultures tlm_convert/data/eval_encyclopedic.txt
+    python tools/build_eval_encyclopedic.py pkg/usr/share/stellarium/skycultures tlm_io/data/eval_encyclopedic.txt
 """
 
 from __future__ import annotations

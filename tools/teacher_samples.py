@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tlm_convert.load import load_model
+from tlm_io.load import load_model
 
 
 def main() -> None:

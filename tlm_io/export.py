@@ -1,4 +1,4 @@
-"""Writing a TLM (tapered or not) in one of four checkpoint formats.
+"""Writing a TLM (tapered or not) in one of five checkpoint formats (:data:`FORMATS`).
 
 ``export_model(model_or_(config, state_dict), out_dir, fmt, source)`` with ``fmt``:
 
@@ -14,6 +14,8 @@
   Llama-family blocks only, every width a multiple of 256 (the engines derive widths from ``ffn_mult``).
 * ``"padded"``: the stock source class, no remote code: every layer zero-padded to the widest one (zero
   gate/up rows and down columns; GPT-2 zero c_fc columns and bias entries, zero c_proj rows): the same function.
+* ``"gguf"``: one ``model.gguf`` for llama.cpp (tlm_io.gguf_export): its deci/llama architecture with the exact
+  per-layer widths.
 
 A format that cannot represent the model exactly raises ConversionError saying why and what to use instead.
 Files are written only inside ``out_dir`` (the caller makes it a temporary folder and renames it when done).
@@ -31,8 +33,9 @@ import torch
 from tlm import TLMConfig, TLMForCausalLM
 
 from .archs import SUPPORTED_ARCHITECTURES
-from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict
+from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict, load_source
 from .errors import ConversionError, one_line
+from .gguf_export import GGUF_FILE, write_gguf
 from .hf_layout import (
     STOCK_CLASSES,
     WIDTH_KEY,
@@ -46,6 +49,7 @@ from .hf_layout import (
     with_widths,
 )
 from .load import load_tokenizer
+from .outputs import check_output_path, output_run, staged
 
 FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
@@ -73,8 +77,6 @@ def export_model(model, out_dir, fmt: str = "tlm", source: Source | None = None,
     elif fmt == "deci":
         _export_deci(config, state_dict, out, source, max_shard_size)
     elif fmt == "gguf":  # one file for llama.cpp: gguf_export.py
-        from .gguf_export import GGUF_FILE, write_gguf
-
         tokenizer = None if source is None else load_tokenizer(source)
         write_gguf(config, state_dict, out / GGUF_FILE, tokenizer, gguf_type, name=_model_name(source))
     else:
@@ -111,9 +113,6 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
 
     ``weight_type``: f32 / f16 / bf16 (every format) or q8_0 (gguf only); default f32.
     """
-    from .checkpoint import load_source
-    from .outputs import OutputLock, check_output_path, staged
-
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
     if weight_type is not None and weight_type not in dtypes and not (fmt == "gguf" and weight_type == "q8_0"):
         raise ConversionError(f"weight type {weight_type!r} is not available for --to {fmt}; use one of "
@@ -124,8 +123,7 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
     state = src.state_dict
     if fmt != "gguf" and weight_type is not None:
         state = {k: v.to(dtypes[weight_type]) if v.is_floating_point() else v for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out), staged(out) as tmp:
+    with output_run(out), staged(out) as tmp:
         export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
     return out
 

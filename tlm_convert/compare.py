@@ -27,7 +27,11 @@ from pathlib import Path
 
 import yaml
 
-from .recipe import OptimSpec, RecipeError, build_spec, recipe_from_dict
+from tlm_io.errors import RecipeError
+from tlm_train.recipe import OptimSpec, apply_overrides, build_spec, recipe_from_dict
+from tlm_train.trainer import list_checkpoints, train
+
+from .convert import ConvertOptions, convert
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +53,6 @@ class CompareSpec:
 
 def load_compare(path: str | Path, overrides=()) -> CompareSpec:
     """Read and validate a compare YAML (every problem listed with its key path)."""
-    from .recipe import apply_overrides
-
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"compare file '{path}' does not exist; pass a YAML file (see recipes/compare/)")
@@ -89,7 +91,6 @@ def check_spec(spec: CompareSpec) -> None:
     for name in spec.reuse:
         if name not in RUN_NAMES + ("uniform-pretrain",):
             errors.append(f"reuse.{name}: unknown run (known: {', '.join(RUN_NAMES + ('uniform-pretrain',))})")
-    from tlm_convert.convert import ConvertOptions
 
     known = set(ConvertOptions.__dataclass_fields__)
     for key in spec.convert:
@@ -152,8 +153,6 @@ def _finished(folder: Path) -> bool:
 
 def _train(recipe: dict, progress: bool) -> float | None:
     """Run (or collect) one recipe; returns its wall seconds from its run_summary.json (None when missing)."""
-    from .trainer import list_checkpoints, train
-
     folder = Path(recipe["output_dir"])
     if _finished(folder):
         logger.info("collected %s (already finished)", folder)
@@ -166,8 +165,6 @@ def _train(recipe: dict, progress: bool) -> float | None:
 
 def _convert(spec: CompareSpec, recipes: dict) -> float | None:
     """Convert the N-step uniform model (unless done); returns the conversion's seconds from its report."""
-    from tlm_convert.convert import ConvertOptions, convert
-
     out = Path(spec.output_dir) / "converted"
     if not (out / "config.json").is_file():
         base = recipe_from_dict(spec.base)

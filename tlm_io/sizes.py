@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import ConversionError
+from .outputs import human_bytes
 
 # no supported family comes near these; a value above one is a typo or a hostile file
 CAPS = {"num_hidden_layers": 4096, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "vocab_size": 1 << 24}
@@ -83,8 +84,6 @@ def check_model_size(cfg: Mapping, where: str | os.PathLike, prefix: str = "", b
     params = estimate_params(cfg)
     need, free = params * bytes_per_param, available_memory()
     if need > free:
-        from .outputs import human_bytes
-
         named = ", ".join(f"{prefix}{n}={v}" for n, v in (_value(cfg, k) for k in _ALIASES) if v is not None)
         raise ConversionError(f"{where}: the model described ({named}) has about {params:.3g} parameters, "
                               f"{human_bytes(need)} in float32, more than the {human_bytes(free)} of available memory; "

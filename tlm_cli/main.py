@@ -6,14 +6,29 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import click
+import torch
+import torch.distributed as dist
 
-from tlm_convert.cli import OneLineCommand, check_positive, convert_main, fail, quiet_libraries, report_failure
-from tlm_convert.errors import ConversionError
-from tlm_convert.export import FORMATS
-from tlm_convert.gguf_export import WEIGHT_TYPES
+from tlm_convert.compare import format_table, load_compare, run_comparison
+from tlm_io.checkpoint import resolve_builtin
+from tlm_io.errors import ConversionError
+from tlm_io.export import FORMATS, export_checkpoint
+from tlm_io.gguf_export import WEIGHT_TYPES
+from tlm_io.load import load_model
+from tlm_io.perplexity import strided_perplexity
+from tlm_io.text import eval_sources, load_text, token_blocks
+from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
+from tlm_train.prepare import prepare_data
+from tlm_train.recipe import load_recipe
+from tlm_train.trainer import train
+
+from .common import OneLineCommand, check_positive, quiet_libraries, report_failure
+from .convert import convert_main
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def tlm_main():
@@ -39,13 +54,6 @@ def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, bat
     """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as one JSON line per
     evaluation set."""
     try:
-        import torch
-
-        from tlm_convert.data import eval_sources, load_text
-        from tlm_convert.load import load_model
-
-        from .evaluate import strided_perplexity
-
         quiet_libraries()
         stride = max(1, seq_len // 2) if stride is None else stride
         check_positive(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size)
@@ -83,13 +91,6 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
     """Residual alignment rho_MLP per layer of MODEL_PATH (cosine of each MLP's output with the residual stream,
     against the block input h_l and the post-mixer stream z_l) and its Pearson r with depth, as JSON."""
     try:
-        import time
-
-        from tlm_convert.data import load_text, token_blocks
-        from tlm_convert.load import load_model
-
-        from .analyze import residual_alignment, save_alignment, suggest_ratio
-
         quiet_libraries()
         check_positive(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
         if output is not None and Path(output).exists() and not Path(output).is_dir():
@@ -142,20 +143,13 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
     written: continue with the printed --resume command).
     """
     try:
-        from .recipe import load_recipe
-        from .trainer import TrainError, train
-
         quiet_libraries()
         overrides = list(overrides) + (["trust_remote_code=true"] if trust_remote_code else [])
         recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
-    import torch.distributed as dist
-
     main = not (dist.is_initialized() and dist.get_rank() != 0)
     if result.stopped:  # every rank exits with the same status
         again = ["tlm", "train", recipe_path, *[x for o in overrides for x in ("--set", o)], "--resume"]
@@ -180,14 +174,8 @@ def tokenize_command(recipe_path, overrides):
     Resumable: run it again after an interruption. Prints the cache's token count, shards and folder.
     """
     try:
-        from .prepare import prepare_data
-        from .recipe import load_recipe
-        from .trainer import TrainError
-
         quiet_libraries()
         summary = prepare_data(load_recipe(recipe_path, list(overrides)))
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     click.echo(json.dumps(summary))
@@ -203,9 +191,6 @@ def tokenize_command(recipe_path, overrides):
 def export_command(model_path, fmt, output, weight_type):
     """Write MODEL_PATH (TLM or converted checkpoint, transformers folder, .gguf) in another format."""
     try:
-        from tlm_convert.checkpoint import resolve_builtin
-        from tlm_convert.export import export_checkpoint
-
         quiet_libraries()
         export_checkpoint(resolve_builtin(model_path), output, fmt, weight_type)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
@@ -223,14 +208,9 @@ def compare_command(compare_path, overrides, no_progress):
     for N steps -> tlm-convert -> M steps, (d) uniform continued for M steps. Prints the table; writes compare.json,
     compare.md and loss_curves.png into output_dir. Finished runs are collected, not rerun."""
     try:
-        from .compare import format_table, load_compare, run_comparison
-        from .trainer import TrainError
-
         quiet_libraries()
         spec = load_compare(compare_path, list(overrides))
         rows = run_comparison(spec, progress=not no_progress)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     click.echo(format_table(rows))
