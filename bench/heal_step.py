@@ -13,6 +13,11 @@ where tlm_train.trainer.bf16_is_fast, else fp32) on random tokens:
                   log-probabilities of the batch read from the cache (computed once, untimed), no teacher forward;
                   head_loss's top-k + rest KL
 
+A variant may add options to its base, ``BASE/OPTION/...`` (--variants; see Variant): ``micro=N`` blocks a
+micro-batch, ``ckpt`` gradient checkpointing of the student's blocks, ``teacher=fp32`` the teacher's weights as
+loaded (by default they are stored as the trainer stores them: projections in bf16 under bf16 autocast,
+tlm_train.teacher), ``loss@REV`` tlm_train/losses.py as committed at git revision REV (before/after of the loss).
+
 Time, in this process: after one untimed step of each, the variants alternate in rounds (A B C, C B A, ...) so a slow
 phase of a shared machine hits all; per variant the median step wall time gives tokens/s, and the phases are timed
 (wall and process CPU seconds): teacher forward (no grad) | student forward | loss | backward | optimizer (clip,
@@ -22,8 +27,10 @@ backward only scales them. Student forward-backward = student forward + backward
 Peak RSS, one fresh subprocess per variant (a variant's peak is its own, not the high-water mark of another): the
 models and the optimizer are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``), --rss-steps
 steps run, and VmHWM is read: the resident peak of the steps, the models and the optimizer state included, loading
-not. A parent watchdog kills a child whose RSS passes --rss-limit-gb. Gemma 3 270M (--gemma) runs only its
-heal_chunked and heal_topk children (the whole-logit heal is known to need far more than the machine has), and only when
+not. The mark is reset as each phase starts and read as it ends, so the child also reports each phase's peak, and
+the MB of the weights, gradients and AdamW moments (the rest of a peak: activations, the loss's buffers, the Python
+and torch runtime, and memory the allocator holds). A parent watchdog kills a child whose RSS passes --rss-limit-gb. Gemma 3 270M (--gemma) runs only
+its --gemma-variants children (default heal_chunked, heal_topk; the whole-logit heal is known to need far more than the machine has), and only when
 MemAvailable is at least --gemma-min-free-gb.
 
     nice -n 19 python bench/heal_step.py --gemma                  # SmolLM2-135M side by side, Gemma's peak
@@ -47,7 +54,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,12 +64,15 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
+import tlm_train.losses  # noqa: E402
 from tlm_convert.heal import HEAL_RECIPE  # noqa: E402
 from tlm_train.losses import HEAD_CHUNK, head_loss, teacher_topk  # noqa: E402
 from tlm_train.recipe import OptimSpec  # noqa: E402
+from tlm_train.teacher import store_for_autocast  # noqa: E402
 from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss, select_trainable  # noqa: E402
 
-VARIANTS = ("plain", "heal_full", "heal_chunked", "heal_topk")
+BASES = ("plain", "heal_full", "heal_chunked", "heal_topk")
+VARIANTS = BASES  # the default --variants
 PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer")
 QUICK_SHAPES = {"batch": 2, "seq_len": 33}
 SWEEP_SHAPES = {"smollm2-135m": (576, 49152), "gemma3-270m": (640, 262144)}  # (hidden, vocab) of the heads
@@ -77,6 +89,71 @@ def tiny_model(vocab: int, seed: int):
                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
                        tie_word_embeddings=True)
     return TLMForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A base step (BASES) and how it runs: ``BASE[/OPTION...]``, the options ``micro=N`` (blocks a micro-batch,
+    default --micro), ``ckpt`` (gradient checkpointing of the student's blocks, as train.gradient_checkpointing),
+    ``teacher=fp32`` (the teacher's weights as loaded; default: as the trainer stores them, tlm_train.teacher) and
+    ``loss@REV`` (tlm_train/losses.py as committed at git revision REV: a before/after of the loss's code)."""
+
+    name: str
+    base: str
+    micro: int | None = None
+    ckpt: bool = False
+    teacher: str = "stored"
+    loss_rev: str | None = None
+
+
+def parse_variant(spec: str) -> Variant:
+    base, *options = spec.split("/")
+    if base not in BASES:
+        raise SystemExit(f"variant {spec!r}: the base must be one of {', '.join(BASES)}")
+    kw: dict = {}
+    for option in options:
+        if option.startswith("micro=") and option[6:].isdigit() and int(option[6:]) > 0:
+            kw["micro"] = int(option[6:])
+        elif option == "ckpt":
+            kw["ckpt"] = True
+        elif option == "teacher=fp32":
+            kw["teacher"] = "fp32"
+        elif option.startswith("loss@") and len(option) > 5:
+            kw["loss_rev"] = option[5:]
+        else:
+            raise SystemExit(f"variant {spec!r}: unknown option {option!r} (micro=N, ckpt, teacher=fp32, loss@REV)")
+    return Variant(spec, base, **kw)
+
+
+_LOSSES: dict = {}
+
+
+def losses_at(rev: str | None):
+    """tlm_train.losses today (rev None), or the module's source at git revision ``rev`` run as a module."""
+    if rev is None:
+        return tlm_train.losses
+    if rev not in _LOSSES:
+        src = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{rev}:tlm_train/losses.py"], check=True,
+                             capture_output=True, text=True).stdout
+        module = types.ModuleType(f"losses_at_{rev}")
+        exec(compile(src, f"{rev}:tlm_train/losses.py", "exec"), module.__dict__)
+        _LOSSES[rev] = module
+    return _LOSSES[rev]
+
+
+def teachers(teacher, variants, bf16: bool) -> dict:
+    """The teacher in each storage the variants use: ``fp32`` as loaded, ``stored`` as the trainer stores it
+    (its projections in bf16 under bf16 autocast: tlm_train.teacher.store_for_autocast)."""
+    kinds = {v.teacher for v in variants if v.base != "plain"} or {"stored"}
+    out = {}
+    if "fp32" in kinds:
+        out["fp32"] = teacher
+    if "stored" in kinds:
+        stored = copy.deepcopy(teacher) if "fp32" in kinds else teacher
+        if bf16:
+            store_for_autocast(stored, torch.bfloat16, "cpu")
+        out["stored"] = stored
+    return out
 
 
 def build(model: str, quick: bool, all_trainable: bool = False):
@@ -102,18 +179,26 @@ def optimizer(student) -> torch.optim.Optimizer:
 
 
 class Timer:
-    """Wall and process-CPU seconds per phase of one step."""
+    """Wall and process-CPU seconds per phase of one step; with ``rss``, also each phase's peak RSS (MB): the kernel's
+    mark is reset as the phase starts and read as it ends (so a step's peak is the largest of its phases')."""
+
+    rss = False  # set in the peak-RSS children only: the mark's reset and read cost a few ms
 
     def __init__(self):
         self.wall = dict.fromkeys(PHASES, 0.0)
         self.cpu = dict.fromkeys(PHASES, 0.0)
+        self.peak = dict.fromkeys(PHASES, 0)
 
     @contextmanager
     def __call__(self, phase: str):
+        if self.rss:
+            Path("/proc/self/clear_refs").write_text("5")
         wall, cpu = time.perf_counter(), time.process_time()
         yield
         self.wall[phase] += time.perf_counter() - wall
         self.cpu[phase] += time.process_time() - cpu
+        if self.rss:
+            self.peak[phase] = max(self.peak[phase], round(_status_kb("VmHWM") / 1024))
 
 
 def cached_top(teacher, ids: torch.Tensor, bf16: bool, k: int):
@@ -123,40 +208,44 @@ def cached_top(teacher, ids: torch.Tensor, bf16: bool, k: int):
         return teacher_topk(h_t, teacher.lm_head.weight, k, HEAL_RECIPE["distill"]["temperature"])
 
 
-def step(variant: str, student, teacher, opt, ids: torch.Tensor, bf16: bool, chunk: int, top=None,
+def step(variant: Variant, student, teachers: dict, opt, ids: torch.Tensor, bf16: bool, chunk: int, top=None,
          micro: int | None = None) -> dict:
     """One optimizer step of ``variant`` (see the module docstring) over the blocks of ids (B, S), in micro-batches
-    of ``micro`` blocks (gradients accumulated, as the trainer's grad_accum); its mean loss and phase times.
-    ``top``: the cached teacher top-k of ids (heal_topk)."""
+    of ``variant.micro`` or ``micro`` blocks (gradients accumulated, as the trainer's grad_accum); its mean loss
+    and phase times. ``teachers``: by storage (:func:`teachers`); ``top``: the cached teacher top-k of ids."""
     timer = Timer()
-    micro = micro or ids.shape[0]
+    micro = variant.micro or micro or ids.shape[0]
     parts = range(0, ids.shape[0], micro)
     total = 0.0
+    teacher = teachers.get(variant.teacher)
+    student.model.gradient_checkpointing = variant.ckpt
     for i in parts:
         part_top = None if top is None else tuple(t[i:i + micro] for t in top)
         total += micro_step(variant, student, teacher, ids[i:i + micro], bf16, chunk, part_top, timer, len(parts))
+    student.model.gradient_checkpointing = False
     with timer("optimizer"):
         torch.nn.utils.clip_grad_norm_(student.parameters(), HEAL_RECIPE["optim"]["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"loss": total, "wall": timer.wall, "cpu": timer.cpu}
+    return {"loss": total, "wall": timer.wall, "cpu": timer.cpu, "peak": timer.peak}
 
 
-def micro_step(variant: str, student, teacher, ids: torch.Tensor, bf16: bool, chunk: int, top, timer: Timer,
+def micro_step(variant: Variant, student, teacher, ids: torch.Tensor, bf16: bool, chunk: int, top, timer: Timer,
                accum: int) -> float:
     """Forward, loss and backward of one micro-batch (the loss scaled by 1 / accum); the unscaled loss."""
     d = HEAL_RECIPE["distill"]
     alpha, t = d["alpha"], d["temperature"]
     head = student.get_output_embeddings().weight
+    head_loss = losses_at(variant.loss_rev).head_loss
     with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
-        if variant == "heal_topk":  # a later epoch of a heal with distill.teacher_topk
+        if variant.base == "heal_topk":  # a later epoch of a heal with distill.teacher_topk
             with timer("student_forward"):
                 h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
                             logits_to_keep=1).hidden_states[-1]
             with timer("loss"):
                 loss = head_loss(h, head, ids, teacher_top=top, kd_weight=alpha, lm_weight=1 - alpha,
                                  temperature=t, chunk=chunk)
-        elif variant == "heal_chunked":  # as tlm_train.trainer._Run takes it
+        elif variant.base == "heal_chunked":  # as tlm_train.trainer._Run takes it
             with timer("student_forward"):
                 h = student(input_ids=ids, use_cache=False, output_hidden_states=True,
                             logits_to_keep=1).hidden_states[-1]
@@ -168,7 +257,7 @@ def micro_step(variant: str, student, teacher, ids: torch.Tensor, bf16: bool, ch
         else:
             with timer("student_forward"):
                 logits = student(input_ids=ids, use_cache=False).logits  # (B, S, V)
-            if variant == "plain":
+            if variant.base == "plain":
                 with timer("loss"):
                     loss = lm_loss(logits, ids)
             else:
@@ -204,22 +293,24 @@ def summarize(steps: list[dict], tokens: int) -> dict:
 
 
 def side_by_side(model: str, args, bf16: bool) -> dict:
+    variants = [parse_variant(v) for v in args.variants]
     student, teacher = build(model, args.quick, args.all_trainable)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
     top = cached_top(teacher, ids, bf16, args.topk)
-    runs = {v: [] for v in VARIANTS}
-    for v in VARIANTS:  # untimed: allocator, AdamW state, oneDNN kernels
-        step(v, student, teacher, opt, ids, bf16, args.chunk, top, args.micro)
+    models = teachers(teacher, variants, bf16)
+    runs = {v.name: [] for v in variants}
+    for v in variants:  # untimed: allocator, AdamW state, oneDNN kernels
+        step(v, student, models, opt, ids, bf16, args.chunk, top, args.micro)
     for i in range(args.steps):
-        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            runs[v].append(step(v, student, teacher, opt, ids, bf16, args.chunk, top, args.micro))
-            print(f"{model} {v}: {sum(runs[v][-1]['wall'].values()):.2f} s", flush=True)
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            runs[v.name].append(step(v, student, models, opt, ids, bf16, args.chunk, top, args.micro))
+            print(f"{model} {v.name}: {sum(runs[v.name][-1]['wall'].values()):.2f} s", flush=True)
     tokens = args.batch * args.seq_len
-    out = {v: summarize(runs[v], tokens) for v in VARIANTS}
-    plain = out["plain"]["tokens_per_s"]
-    for v in VARIANTS[1:]:
-        out[v]["vs_plain"] = round(out[v]["tokens_per_s"] / plain, 3)
+    out = {v.name: summarize(runs[v.name], tokens) for v in variants}
+    if "plain" in out:
+        for v in variants:
+            out[v.name]["vs_plain"] = round(out[v.name]["tokens_per_s"] / out["plain"]["tokens_per_s"], 3)
     return out
 
 
@@ -235,21 +326,39 @@ def mem_available_gb() -> float:
     return int(re.search(r"MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1)) / 2**20
 
 
-def child_rss(variant: str, model: str, args, bf16: bool) -> dict:
-    """In a fresh process: the peak RSS of --rss-steps steps of ``variant``, models and optimizer state included."""
+def child_rss(spec: str, model: str, args, bf16: bool) -> dict:
+    """In a fresh process: the peak RSS of --rss-steps steps of variant ``spec``, models and optimizer state
+    included."""
+    variant = parse_variant(spec)
     student, teacher = build(model, args.quick, args.all_trainable)
     opt = optimizer(student)
     ids = random_ids(student.config.vocab_size, args.batch, args.seq_len)
-    top = cached_top(teacher, ids, bf16, args.topk) if variant == "heal_topk" else None  # the cache, before the mark
-    before = _status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk, top, args.micro) for _ in range(args.rss_steps)]
-    import resource
-
-    return {"peak_rss_mb": round(_status_kb("VmHWM") / 1024), "rss_before_steps_mb": round(before / 1024),
-            "peak_rss_with_loading_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    top = cached_top(teacher, ids, bf16, args.topk) if variant.base == "heal_topk" else None  # before the mark
+    teacher = teachers(teacher, [variant], bf16)
+    losses_at(variant.loss_rev)  # imported before the mark
+    before, loading = _status_kb("VmRSS"), _status_kb("VmHWM")
+    Timer.rss = True  # each phase resets the kernel's peak-RSS mark (to the current RSS) and reads it at its end
+    steps = [step(variant, student, teacher, opt, ids, bf16, args.chunk, top, args.micro)
+             for _ in range(args.rss_steps)]
+    phase_peak = {p: max(s["peak"][p] for s in steps) for p in PHASES if any(s["peak"][p] for s in steps)}
+    return {"peak_rss_mb": max(phase_peak.values()), "rss_before_steps_mb": round(before / 1024),
+            "rss_after_steps_mb": round(_status_kb("VmRSS") / 1024), "phase_peak_rss_mb": phase_peak,
+            "memory_mb": memory_parts(student, teacher, opt),
+            "peak_rss_of_loading_mb": round(loading / 1024),
             "steps_wall_s": [round(sum(s["wall"].values()), 3) for s in steps],
             "steps_cpu_s": [round(sum(s["cpu"].values()), 3) for s in steps]}
+
+
+def memory_parts(student, teachers: dict, opt) -> dict:
+    """MB of what a step holds throughout: the two models' weights, the student's gradients and AdamW's moments."""
+    def mb(tensors) -> int:
+        return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20)
+
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    return {"student_weights": mb(student.parameters()),
+            "teacher_weights": mb(p for t in teachers.values() for p in t.parameters()),
+            "gradients": mb(trainable),
+            "adamw_moments": mb(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())}
 
 
 def run_child(argv: list[str], limit_gb: float) -> dict:
@@ -374,9 +483,16 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", action="store_true", help="only the chunk sweep of head_loss")
     ap.add_argument("--quick", action="store_true", help="tiny random models, 2 x 33 tokens: checks that it runs")
     ap.add_argument("--out", default="bench/results/heal_step.json")
-    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--variants", type=lambda x: x.split(","), default=list(VARIANTS),
+                    help="comma-separated, each BASE[/OPTION...] (see Variant) [%(default)s]")
+    ap.add_argument("--gemma-variants", type=lambda x: x.split(","), default=["heal_chunked", "heal_topk"],
+                    help="Gemma 3's peak-RSS children with --gemma [%(default)s]")
+    ap.add_argument("--no-rss", action="store_true", help="the side-by-side timing only (no peak-RSS children)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--sweep-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for v in args.variants + args.gemma_variants:
+        parse_variant(v)  # a bad name stops the run before anything is built
     if args.quick:
         args.batch, args.seq_len = QUICK_SHAPES["batch"], QUICK_SHAPES["seq_len"]
         args.micro = min(args.micro, args.batch)
@@ -405,7 +521,8 @@ def main(argv=None) -> None:
         result["sweep"] = sweep(args)
     else:
         result["models"] = {args.model: {"timing": side_by_side(args.model, args, bf16), "peak_rss": {}}}
-        for v in (("heal_chunked",) if args.quick else VARIANTS):  # quick: one child, the path checked
+        children = () if args.no_rss else ("heal_chunked",) if args.quick else args.variants
+        for v in children:  # quick: one child, the path checked
             row = run_child(_child_argv(args, args.model, v), args.rss_limit_gb)
             result["models"][args.model]["peak_rss"][v] = row
             print(f"{args.model} {v} peak RSS: {row}", flush=True)
@@ -415,7 +532,7 @@ def main(argv=None) -> None:
             if free < args.gemma_min_free_gb:
                 gemma["skipped"] = f"MemAvailable {free:.1f} GB < --gemma-min-free-gb {args.gemma_min_free_gb}"
             else:
-                for v in ("heal_chunked", "heal_topk"):
+                for v in args.gemma_variants:
                     gemma["peak_rss"][v] = run_child(_child_argv(args, "gemma3-270m", v), args.rss_limit_gb)
             result["models"]["gemma3-270m"] = gemma
             print(f"gemma3-270m: {gemma}", flush=True)

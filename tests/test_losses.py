@@ -300,3 +300,23 @@ def test_teacher_topk_is_checked():
         recipe_from_dict({**base, "distill": {"teacher": "t", "teacher_topk": -1}})
     with pytest.raises(RecipeError, match="set one of them to 0"):
         recipe_from_dict({**base, "distill": {"teacher": "t", "teacher_topk": 8, "hidden_weight": 0.1}})
+
+
+def test_a_heal_step_in_micro_batches_of_one_block_is_the_step_of_whole_batches(tmp_path):
+    """The heal recipe's 4 blocks a step in micro-batches of 1, 2 or 4 (the chunked loss is each micro-batch's mean;
+    grad_accum averages equal micro-batches): the same steps, up to the order of the sums."""
+    first = train(recipe_from_dict(tiny_recipe(tmp_path, "a", train={"max_steps": 2})))
+    teacher = train(recipe_from_dict(tiny_recipe(tmp_path, "b", seed=5, train={"max_steps": 3})))
+    text = _short_text(tmp_path)
+    runs = {}
+    for batch in (4, 2, 1):
+        heal = tiny_recipe(tmp_path, f"heal{batch}", data={"train": text, "eval_tokens": 66},
+                           train={"max_steps": 6, "precision": "fp32", "batch_size": batch, "grad_accum": 4 // batch,
+                                  "trainable": ["model.layers.*", "model.norm.*"]},
+                           optim={"lr": 1e-3, "min_lr": 1e-3, "warmup_steps": 0, "decay": "constant"},
+                           distill={"teacher": str(teacher.final_dir), "alpha": 1.0, "temperature": 1.0})
+        del heal["model"], heal["tokenizer"]
+        heal["init_from"] = str(first.final_dir)
+        runs[batch] = train(recipe_from_dict(heal)).losses
+    assert runs[2] == pytest.approx(runs[4], rel=1e-5) and runs[1] == pytest.approx(runs[4], rel=1e-5)
+    assert len(set(runs[4])) == 6  # the steps change the model

@@ -107,10 +107,11 @@ def teacher_topk(hidden: torch.Tensor, head: torch.Tensor, k: int, temperature: 
     w = head.to(dtype)
     idx = torch.empty(b * s, k, dtype=torch.int32, device=h.device)
     logp = torch.empty(b * s, k, dtype=torch.float32, device=h.device)
+    buf = _Buffers(min(chunk, b * s), head.shape[0], dtype, torch.float32, h.device, full_kd=False, lm_and_kd=False)
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, b * s, chunk):
-            z = (h[start:start + chunk].to(dtype) @ w.T).float()  # (C, V)
-            vals, top = F.log_softmax(z / temperature if temperature != 1 else z, dim=-1).topk(k, dim=-1)
+            z = buf.product(h[start:start + chunk].to(dtype), w, "z")  # (C, V) in fp32
+            vals, top = _log_softmax_(z.div_(temperature) if temperature != 1 else z).topk(k, dim=-1)
             idx[start:start + chunk], logp[start:start + chunk] = top, vals
     return idx.view(b, s, k), logp.view(b, s, k)
 
@@ -142,26 +143,31 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 def _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, chunk, dtype, need_h, need_w):
     """(loss, d loss / d hs or None, d loss / d ws or None) over the N rows of hs (N, d), chunk by chunk; the loss,
-    softmaxes and gradients in fp32 (fp64 when the products are)."""
+    softmaxes and gradients in fp32 (fp64 when the products are).
+
+    The (chunk, V) tensors of a chunk are written into buffers made once per call and reused by every chunk (a
+    fresh buffer of that size costs its page faults each time: about as much as the softmax on this kind of CPU,
+    bench/RESULTS.md "The heal step"); the values are those of the out-of-place formulas, bit for bit."""
     n = hs.shape[0]
     acc = torch.promote_types(dtype, torch.float32)
     ws_c = ws.to(dtype)  # (V, d): the head in the product dtype, cast once
     # the teacher: its head in the product dtype, or (idx, logp) of its top k (then ht is that pair, wt None)
     wt_c = wt.to(dtype) if wt is not None else None
+    buf = _Buffers(min(chunk, n), ws.shape[0], dtype, acc, hs.device, full_kd=bool(kd_weight) and wt is not None,
+                   lm_and_kd=bool(kd_weight) and bool(lm_weight))
     loss = torch.zeros((), dtype=acc, device=hs.device)
     grad_h = torch.empty(hs.shape, dtype=acc, device=hs.device) if need_h else None
     grad_w = torch.zeros(ws.shape, dtype=acc, device=ws.device) if need_w else None
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         h_c = hs[start:stop].to(dtype)  # (C, d)
-        z_s = (h_c @ ws_c.T).to(acc)  # (C, V)
+        z_s = buf.product(h_c, ws_c, "z")  # (C, V) student logits in acc
         part, grad_z = _chunk_loss(z_s, ht, wt_c, targets[start:stop], start, stop, n, kd_weight, lm_weight,
-                                   temperature, dtype)
+                                   temperature, dtype, buf)
         loss += part
-        del z_s
         if grad_h is None and grad_w is None:
             continue
-        grad_z = grad_z.to(dtype)  # (C, V): the head's backward runs in the product dtype, as nn.Linear's would
+        grad_z = buf.in_product_dtype(grad_z)  # the head's backward runs in the product dtype, as nn.Linear's would
         if grad_h is not None:
             grad_h[start:stop] = grad_z @ ws_c
         if grad_w is not None:
@@ -170,41 +176,86 @@ def _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, 
     return loss, grad_h, grad_w
 
 
-def _chunk_loss(z_s, ht, wt_c, targets, start, stop, n, kd_weight, lm_weight, temperature, dtype):
-    """(this chunk's share of the loss, d loss / d z_s (C, V)) for student logits z_s (C, V) in fp32 or fp64."""
-    grad_z = None
-    part = z_s.new_zeros(())
-    if kd_weight and isinstance(ht, tuple):
-        part, grad_z = _top_kl(z_s, ht[0][start:stop].long(), ht[1][start:stop].to(z_s.dtype), n, kd_weight,
-                               temperature)
-    elif kd_weight:
-        t = temperature
-        with torch.no_grad():
-            z_t = (ht[start:stop].to(dtype) @ wt_c.T).to(z_s.dtype)  # (C, V) teacher logits
-        t_logp = F.log_softmax(z_t / t if t != 1 else z_t, dim=-1)
-        del z_t
-        s_logp = F.log_softmax(z_s / t if t != 1 else z_s, dim=-1)
-        p_t = t_logp.exp()
-        # KL(p_t || p_s) summed over the chunk's rows; d/dz_s of T^2 * KL / N = T * (p_s - p_t) / N
-        part = part + kd_weight * t * t / n * (p_t * (t_logp - s_logp)).sum()
-        del t_logp
-        grad_z = s_logp.exp_().sub_(p_t).mul_(kd_weight * t / n)
-        del p_t
-    if lm_weight:
-        logp = F.log_softmax(z_s, dim=-1)  # (C, V)
-        rows = torch.arange(stop - start, device=z_s.device)
-        part = part + lm_weight / n * -logp[rows, targets].sum()
+class _Buffers:
+    """The (chunk, V) work tensors of :func:`_loss_and_grads`, each made once: ``z`` the student's logits (then their
+    log-softmax, then the gradient, in place), ``t`` and ``p`` the teacher's log-probabilities and probabilities
+    (the whole-vocabulary KL), ``lm`` the next-token log-probabilities when the KL is formed too, and ``low`` a
+    product-dtype buffer for the products' output and the gradient's cast (when that dtype is not the loss's)."""
+
+    def __init__(self, rows, vocab, dtype, acc, device, full_kd, lm_and_kd):
+        def make(dt):
+            return torch.empty(rows, vocab, dtype=dt, device=device)
+
+        self.dtype = dtype
+        self.bufs = {"z": make(acc)}
+        if full_kd:
+            self.bufs["t"], self.bufs["p"] = make(acc), make(acc)
+        if lm_and_kd:
+            self.bufs["lm"] = make(acc)
+        self.low = make(dtype) if dtype != acc else None
+
+    def get(self, name, rows):
+        return self.bufs[name][:rows]
+
+    def product(self, h, w, name):
+        """h (C, d) @ w (V, d).T in the product dtype, upcast into buffer ``name`` (C, V)."""
+        out = self.get(name, h.shape[0])
+        if self.low is None:
+            return torch.mm(h, w.T, out=out)
+        return out.copy_(torch.mm(h, w.T, out=self.low[: h.shape[0]]))
+
+    def in_product_dtype(self, x):
+        return x if self.low is None else self.low[: x.shape[0]].copy_(x)
+
+
+def _log_softmax_(x, out=None):
+    """log_softmax over the last dim of x written into ``out`` (default: x itself): the kernel of F.log_softmax,
+    whose CPU and CUDA implementations read a row whole before writing it, so the result is F.log_softmax(x)'s,
+    bit for bit (tests/test_losses.py checks it), without a new (C, V) tensor."""
+    return torch._log_softmax(x, -1, False, out=x if out is None else out)
+
+
+def _chunk_loss(z_s, ht, wt_c, targets, start, stop, n, kd_weight, lm_weight, temperature, dtype, buf):
+    """(this chunk's share of the loss, d loss / d z_s (C, V)) for student logits z_s (C, V) in fp32 or fp64 (a
+    buffer of ``buf``, overwritten: the gradient is returned in it)."""
+    rows_n = stop - start
+    lm_part = g = None
+    if lm_weight:  # first: the KL below overwrites z_s
+        logp = _log_softmax_(z_s, buf.get("lm", rows_n) if kd_weight else None)  # (C, V)
+        rows = torch.arange(rows_n, device=z_s.device)
+        lm_part = lm_weight / n * -logp[rows, targets].sum()
         g = logp.exp_()  # softmax; d CE / d z = softmax - onehot(target)
         g[rows, targets] -= 1.0
         g.mul_(lm_weight / n)
+    grad_z = None
+    part = z_s.new_zeros(())
+    if kd_weight and isinstance(ht, tuple):
+        kd_part, grad_z = _top_kl(z_s, ht[0][start:stop].long(), ht[1][start:stop].to(z_s.dtype), n, kd_weight,
+                                  temperature)
+        part = part + kd_part
+    elif kd_weight:
+        t = temperature
+        with torch.no_grad():
+            t_logp = buf.product(ht[start:stop].to(dtype), wt_c, "t")  # (C, V) teacher logits
+        if t != 1:
+            t_logp.div_(t)
+        _log_softmax_(t_logp)
+        if t != 1:
+            z_s.div_(t)
+        s_logp = _log_softmax_(z_s)
+        p_t = torch.exp(t_logp, out=buf.get("p", rows_n))
+        # KL(p_t || p_s) summed over the chunk's rows; d/dz_s of T^2 * KL / N = T * (p_s - p_t) / N
+        part = part + kd_weight * t * t / n * t_logp.sub_(s_logp).mul_(p_t).sum()
+        grad_z = s_logp.exp_().sub_(p_t).mul_(kd_weight * t / n)
+    if lm_part is not None:
+        part = part + lm_part
         grad_z = g if grad_z is None else grad_z.add_(g)
-        del logp
     return part, grad_z
 
 
 def _top_kl(z_s, idx, logp, n, kd_weight, t):
     """(kd_weight * T^2 / n * the chunk's summed top-k + rest KL, its gradient d/dz_s (C, V)); idx, logp (C, k)."""
-    s_logp = F.log_softmax(z_s / t if t != 1 else z_s, dim=-1)  # (C, V)
+    s_logp = _log_softmax_(z_s.div_(t) if t != 1 else z_s)  # (C, V), in z_s's buffer
     s_top = s_logp.gather(1, idx)  # (C, k)
     q = s_logp.exp_()  # (C, V) student probabilities, in place
     q_top = q.gather(1, idx)

@@ -69,6 +69,7 @@ from .distributed import Dist, setup_distributed, unwrap, wrap
 from .losses import Distillation, distill_loss, hidden_loss, lm_loss
 from .metrics import MetricsLog, write_summary
 from .recipe import Recipe
+from .teacher import store_for_autocast
 from .teacher_cache import TeacherTopCache
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ class _Run:
 
     def _distillation(self, model) -> Distillation | None:
         """The teacher side of the loss: the caller's teacher or recipe.distill.teacher, checked against the
-        student and frozen on the run's device (with its top-k cache for distill.teacher_topk)."""
+        student and frozen on the run's device (with its top-k cache for distill.teacher_topk). Under bf16 autocast
+        its projections are stored in bf16 when that leaves its outputs unchanged (a caller's teacher included)."""
         spec, teacher = self.recipe.distill, self.given["teacher"]
         if spec is None:
             if teacher is not None:
@@ -187,6 +189,10 @@ class _Run:
             teacher, _ = load_pretrained(spec.teacher, with_tokenizer=False)
         check_teacher(teacher, model.config, spec)
         teacher = teacher.to(self.d.device).eval().requires_grad_(False)
+        if self.bf16 and self.d.device.type in ("cuda", "cpu"):  # it runs under _autocast() only: same outputs
+            saved = store_for_autocast(teacher, torch.bfloat16, self.d.device)
+            logger.info("teacher projections stored in bf16 (%d MB less, outputs checked unchanged)" % (saved >> 20)
+                        if saved else "teacher kept as loaded (bf16 storage would change its outputs)")
         return Distillation(teacher, spec, TeacherTopCache() if spec.teacher_topk else None)
 
     # ---------------------------------------------------------------------------------------------- steps
