@@ -54,7 +54,8 @@ def write_corpus(path: Path, megabytes: int) -> int:
 
 
 def tokenize(corpus: Path, cache: Path, num_proc: int) -> dict:
-    from tlm_train.data import byte_tokenizer, token_shards
+    from tlm_io.load import byte_tokenizer
+    from tlm_train.data import token_shards
 
     start = time.perf_counter()
     shards = token_shards(byte_tokenizer(), str(corpus), cache_dir=cache, num_proc=num_proc)
@@ -119,7 +120,8 @@ def main() -> None:
         corpus = tmp / "corpus.jsonl"
         chars = write_corpus(corpus, args.corpus_mb)
         tok = [tokenize(corpus, tmp / "cache-1", 1), tokenize(corpus, tmp / "cache", args.num_proc)]
-        from tlm_train.data import byte_tokenizer, token_shards
+        from tlm_io.load import byte_tokenizer
+        from tlm_train.data import token_shards
 
         shards = token_shards(byte_tokenizer(), str(corpus), cache_dir=tmp / "cache")
         shapes = [(16, 256), (8, 4096)]

@@ -52,9 +52,9 @@ def main() -> None:
     from llama_cpp import Llama
 
     from tlm_io.checkpoint import load_source, resolve_builtin
-    from tlm_convert.convert import materialize
+    from tlm_io.export import export_checkpoint
+    from tlm_io.load import load_tokenizer, materialize
     from tlm_io.text import load_text
-    from tlm_io.export import export_checkpoint, load_tokenizer
 
     torch.set_num_threads(args.threads)
     source = resolve_builtin(args.model)

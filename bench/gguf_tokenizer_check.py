@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
@@ -31,15 +30,12 @@ def main() -> None:
     args = p.parse_args()
     from llama_cpp import Llama
 
-    from tlm_io.checkpoint import resolve_builtin, tokenizer_kwargs
-    from tlm_io.text import BUNDLED, load_text
+    from tlm_io.checkpoint import resolve_builtin
     from tlm_io.load import load_tokenizer
+    from tlm_io.text import BUNDLED, load_text
 
     gguf = Path(resolve_builtin(args.model))
-
-    # load_tokenizer of a source that is only this file's tokenizer (no model is read)
-    found = tokenizer_kwargs((str(gguf.parent), gguf.name), trust_remote_code=False)
-    tokenizer = load_tokenizer(SimpleNamespace(path=str(gguf), tokenizer_kwargs=lambda: found))
+    tokenizer = load_tokenizer(str(gguf))  # the file's tokenizer alone: no weights are read
     cpp = Llama(str(gguf), vocab_only=True, verbose=False)
     sets = {}
     for name in BUNDLED:

@@ -455,7 +455,7 @@ def _tiny_llama(folder: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tlm_train.data import byte_tokenizer
+    from tlm_io.load import byte_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

@@ -25,9 +25,9 @@ import torch
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.heal import heal_data, heal_recipe
+from tlm_convert.samples import SELF
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity
-from tlm_convert.samples import SELF
 from tlm_train.trainer import train
 
 RESULTS = Path(__file__).parent / "results" / "quality"

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.evalsets import eval_set_blocks, geomean
 from tlm_convert.convert import SAMPLES_FILE
+from tlm_convert.evalsets import eval_set_blocks, geomean
 from tlm_convert.heal import heal_data, heal_recipe
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity

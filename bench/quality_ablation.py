@@ -34,11 +34,11 @@ from safetensors.torch import load_file, save_file
 
 from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers, score_whole_model
 from tlm_convert.convert import SAMPLES_FILE, ConvertOptions, plan_widths, resolve_importance
-from tlm_io.export import export_model
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
+from tlm_convert.samples import calibration_blocks, samples_text
+from tlm_io.export import export_model
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity
-from tlm_convert.samples import calibration_blocks, samples_text
 
 RESULTS = Path(__file__).parent / "results" / "quality"
 SOURCE = "smollm2-135m"

@@ -41,7 +41,9 @@ def recipe_dict(out: str, steps: int) -> dict:
 
 def bare_loop(recipe, steps: int, warmup: int) -> tuple[float, float]:
     """(tokens/s, tokens per CPU second) of the plain loop over steps [warmup, steps)."""
-    from tlm_train.data import load_tokenizer, to_blocks, tokenize_cached
+    from tlm_io.load import load_tokenizer
+    from tlm_io.text import to_blocks
+    from tlm_train.data import tokenize_cached
     from tlm_train.trainer import build_model_and_tokenizer, lm_loss, lr_factor
 
     model, tok = build_model_and_tokenizer(recipe)

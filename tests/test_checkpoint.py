@@ -332,6 +332,17 @@ def test_unreproducible_setting(tmp_path):
     _error(tmp_path, r"cannot import 'llama' exactly: rope_parameters\.rope_type='dynamic'")
 
 
+def test_broken_generation_config_is_named_and_skipped(tmp_path):
+    """A generation_config.json transformers cannot read does not block the load: a warning names the file."""
+    model = _random_model(_llama_config())
+    model.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.warns(UserWarning, match=r"generation_config\.json was not read"):
+        source = load_source(tmp_path)
+    assert source.generation_config is None
+    _assert_same(source, model)
+
+
 def test_nan_weight(tmp_path):
     model = _random_model(_llama_config())
     state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}

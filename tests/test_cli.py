@@ -25,9 +25,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-from tlm_io.archs import SUPPORTED_ARCHITECTURES
 from tlm_cli.convert import convert_main
 from tlm_cli.main import tlm_main
+from tlm_io.archs import SUPPORTED_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "2048", "--seq-len", "64", "--batch-size", "4",
@@ -267,17 +267,18 @@ def test_usage_errors_are_one_line(args, source, tmp_path):
 
 
 def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypatch, source, tmp_path):
-    """A bug (not a ConversionError) raised after convert() started writing: one line, partial files removed."""
-    import tlm_cli.convert as cli_module
+    """A bug (not a ConversionError) raised after convert() started writing: one line, partial files removed (the
+    staged folder and the parents of OUTPUT the run created; tlm_io.outputs.output_run)."""
+    import tlm_convert.convert as convert_module
+    from tlm_io.outputs import staged
 
-    def broken_convert(src, output, options, on_phase=None, on_layer=None):
+    def broken_convert(source, out, opts, on_phase, on_layer):
         on_phase("load")
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        (out.parent / f".{out.name}.tmp-abc123").mkdir()
-        raise RuntimeError("boom\nsecond line")
+        with staged(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(cli_module, "convert", broken_convert)
+    monkeypatch.setattr(convert_module, "_convert", broken_convert)
     out = tmp_path / "new" / "nested" / "out"
     message = _assert_refused(_run([source, "-o", out, *FAST]), out)
     assert message.startswith("internal error: RuntimeError: boom; second line") and "TLM_DEBUG" in message

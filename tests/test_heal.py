@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-from tlm_convert import heal as heal_module
 from tlm_cli.convert import convert_main
+from tlm_convert import heal as heal_module
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_io.text import token_blocks
 from tlm_io.load import load_model
+from tlm_io.text import token_blocks
 from tlm_train.trainer import distill_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,14 +164,6 @@ def test_an_interrupted_heal_leaves_the_output_untouched(source, tmp_path, sig):
         assert list(tmp_path.glob(".*tmp*"))  # the dead run's folder, removed by the next run
         assert _convert([source, "-o", out, *FAST, "--overwrite"]).exit_code == 0
         assert not list(tmp_path.glob(".*tmp*"))
-
-
-def test_the_heal_recipe_file_has_the_heal_defaults():
-    """recipes/cpt/smollm2-135m-heal.yaml does what --heal-tokens does (same optimizer, distillation, batch)."""
-    recipe = yaml.safe_load((ROOT / "recipes" / "cpt" / "smollm2-135m-heal.yaml").read_text())
-    for section in ("distill", "optim", "train"):
-        for key, value in heal_module.HEAL_RECIPE[section].items():
-            assert recipe[section].get(key) == value, f"{section}.{key}"
 
 
 def test_heal_steps_count_the_batch_the_overrides_set():

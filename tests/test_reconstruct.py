@@ -7,10 +7,10 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 import tlm
 from tlm_convert import calibrate
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_io.checkpoint import load_source
 from tlm_convert.convert import ConvertOptions
-from tlm_io.errors import ConversionError
 from tlm_convert.reconstruct import reconstruct_mlp, token_weights
+from tlm_io.checkpoint import load_source
+from tlm_io.errors import ConversionError
 
 WIDTHS = [72, 60, 36, 24]
 

@@ -8,14 +8,14 @@ import torch
 from click.testing import CliRunner
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-from tlm_io.checkpoint import load_source
 from tlm_cli.convert import convert_main
 from tlm_convert.convert import DEFAULT_CALIBRATION, SAMPLES_FILE, ConvertOptions, calibration_sources, convert
-from tlm_io.text import load_text, token_blocks
-from tlm_io.errors import ConversionError
 from tlm_convert.heal import heal_data
-from tlm_io.load import materialize
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
+from tlm_io.checkpoint import load_source
+from tlm_io.errors import ConversionError
+from tlm_io.load import materialize
+from tlm_io.text import load_text, token_blocks
 from tlm_train.trainer import bf16_is_fast
 
 OPTS = dict(calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)

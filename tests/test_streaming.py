@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 import tlm_convert.convert as convert_module
 from tlm_convert import report
 from tlm_convert.calibrate import IN_MEMORY, LOW_MEMORY
-from tlm_io.checkpoint import load_source
 from tlm_convert.compensate import refit_down_proj, refit_kept
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_io.errors import ConversionError
 from tlm_convert.importance import ActivationStats
 from tlm_convert.stream import open_stream
+from tlm_io.checkpoint import load_source
+from tlm_io.errors import ConversionError
 
 OPTS = dict(calibration_data=str(DATA), calibration_tokens=512, seq_len=64, batch_size=4, multiple_of=1,
             importance="activation")

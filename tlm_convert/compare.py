@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from tlm_train.recipe import OptimSpec, RecipeError, apply_overrides, build_spec, recipe_from_dict
+from tlm_io.errors import RecipeError
+from tlm_train.recipe import OptimSpec, apply_overrides, build_spec, recipe_from_dict
 from tlm_train.trainer import list_checkpoints, train
 
 from .convert import ConvertOptions, convert

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import resource
 import time
@@ -29,8 +28,7 @@ from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_model
 from tlm_io.load import load_tokenizer, materialize
-from tlm_io.outputs import (OutputLock, check_free_space, check_output_path, clean_stale, output_bytes, save_errors,
-                            staged)
+from tlm_io.outputs import check_free_space, check_output_path, output_bytes, output_run, save_errors, staged
 from tlm_io.perplexity import perplexity
 
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
@@ -44,8 +42,6 @@ from .samples import SELF, calibration_blocks, samples_text
 from .stream import StreamedLayers, check_streamable, open_stream
 from .surgery import GROW_INITS
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
-
-logger = logging.getLogger(__name__)
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
 MIXER_CHOICES = MIXERS  # --mixer: the mixer every layer gets (attention keeps the source's)
@@ -178,7 +174,8 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
 
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
-    the whole run (a second run into it is refused); folders left by killed runs are cleaned (tlm_io.outputs).
+    the whole run (a second run into it is refused); folders left by killed runs are cleaned, and a failed run
+    removes the parents of OUTPUT it created (tlm_io.outputs.output_run).
     """
     opts = options or ConvertOptions()
     opts.validate()
@@ -186,8 +183,7 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     check_output_path(source, out, opts.overwrite)
     if opts.low_memory:
         check_streamable(opts)
-    with OutputLock(out):
-        clean_stale(out)
+    with output_run(out):
         return _convert(source, out, opts, on_phase, on_layer)
 
 

@@ -2,8 +2,8 @@
 
 The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input
 checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: checkpoints,
-metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (the measured defaults, bench/RESULTS.md "Heal";
-recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file). The learning rate is constant after a
+metrics.jsonl, progress) with the recipe :data:`HEAL_RECIPE` (bench/RESULTS.md "Heal" has the runs behind it;
+recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file, generated from it). The learning rate is constant after a
 short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads one run);
 recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
 
@@ -23,37 +23,31 @@ run_summary.json; the healed weights are what OUT gets, in the requested format.
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import shutil
 import time
 from pathlib import Path
 
-from tlm_io.errors import ConversionError
+from tlm_io.errors import ConversionError, RecipeError, TrainError
 from tlm_io.export import export_model
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity
 from tlm_io.text import load_text
-from tlm_train.recipe import RecipeError, recipe_from_dict
-from tlm_train.trainer import TrainError, train
+from tlm_train.recipe import recipe_from_dict
+from tlm_train.trainer import train
 
 from .evalsets import geomean
 from .samples import SELF
-
-logger = logging.getLogger(__name__)
 
 HEAL_DIR = "heal"  # in OUT: the heal's metrics.jsonl, recipe.yaml, run_summary.json
 WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is published
 KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 
 # The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
-# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. Measured on SmolLM2-135M
-# (bench/RESULTS.md, "Heal", "Issue 10, session 6" and "session 7"): lr 1e-4 on 4 x 512-token steps keeps improving
-# to 400k tokens where lr 3e-4 on 2 x 512 gets worse past 50k, and lr 3e-4 made Gemma 3 270M worse (x1.22 -> x2.31
-# at 25k); at 100k tokens a cosine decay from 3e-4 was within 0.5% of this. MLP-only training, residual-stream
-# matching and text sampled from the source came within 2%. The rate is constant after the warmup, so a heal of N
-# tokens is the first N tokens of any longer one. Temperature and alpha were not swept.
-# recipes/cpt/smollm2-135m-heal.yaml carries the same values.
+# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. A low learning rate, constant after a
+# short warmup: a higher one made longer heals worse, and a constant rate makes a heal of N tokens the first N tokens
+# of any longer one (the heal curve reads one run). bench/RESULTS.md ("Heal") has the runs behind these values.
+# The one source of the heal's recipe: recipes/generate.py writes recipes/cpt/smollm2-135m-heal.yaml from it.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
@@ -90,8 +84,8 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
                 device: str = "cpu", trust_remote_code: bool = False, progress: bool = False,
                 overrides: tuple[str, ...] = (), cache_dir: str | None = None):
     """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data`` (one source:
-    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (``precision: auto``: about 1.7x the fp32
-    steps on an AVX512-BF16 CPU, the same heal quality; bench/RESULTS.md), else fp32.
+    :func:`heal_data`), in bf16 autocast where that is fast on ``device`` (``precision: auto``: faster steps at the
+    same heal quality; bench/RESULTS.md), else fp32.
     ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:
     the token cache (None: tlm train's default)."""
     spec = copy.deepcopy(HEAL_RECIPE)

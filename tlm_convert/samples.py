@@ -1,9 +1,9 @@
 """Calibration text sampled from the source model itself: ``--calibration-data self``.
 
-A bundled or user sample covers the domains it holds, and the conversion keeps the neurons those domains use: on
-SmolLM2-135M, calibrating on text the model wrote itself gave Shakespeare x1.233 where the bundled mix gave x1.710,
-and lost on code and licences (bench/RESULTS.md, "Issue 10, session 7"). The model's own samples stand for the
-blend it was trained on, so the default calibration is the bundled mix and such samples in equal shares.
+A bundled or user sample covers the domains it holds, and the conversion keeps the neurons those domains use, so it
+loses most on the domains the sample lacks (bench/RESULTS.md compares calibration sources). The model's own samples
+stand for the blend it was trained on, so the default calibration is the bundled mix and such samples in equal
+shares.
 
 Samples start from the tokenizer's BOS token (its EOS token where it has no BOS), are drawn at temperature 1 with
 no top-k/top-p (the model's own distribution), with the start token and every end-of-sequence id (the tokenizer's
@@ -24,7 +24,7 @@ from tlm_io.errors import ConversionError
 from tlm_io.text import load_text, token_blocks
 
 SELF = "self"  # the calibration source name
-BATCH = 128  # samples drawn together (about 1.4x the tokens/s of 32 on 2 CPU cores; KV cache ~1 GB at 512)
+BATCH = 128  # samples drawn together: more tokens/s than small batches on CPU, for a KV cache that grows with it
 
 
 def start_token(tokenizer) -> int:

@@ -21,7 +21,6 @@ refuses them once, before anything is read.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from dataclasses import dataclass
@@ -56,12 +55,11 @@ from tlm_io.checkpoint import (
 )
 from tlm_io.errors import ConversionError, first_few
 from tlm_io.export import copy_tokenizer, write_generation_config
+from tlm_io.heap import trim_heap
 from tlm_io.perplexity import nll_sum
 from tlm_io.sizes import check_model_size
 
 from .upcycle import carry_scores, upcycle_layer
-
-logger = logging.getLogger(__name__)
 
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -257,7 +255,7 @@ class StreamedLayers:
         with self.timer("save"):
             self._write_shard(i + 2, state)
         del state
-        _trim_heap()
+        trim_heap()
 
     def finish(self) -> None:
         """The last shard (final norm, untied head), the perplexities, the index and the model files."""
@@ -366,16 +364,6 @@ def _perplexity(base, tensors: dict, head: torch.Tensor, hidden, eval_state) -> 
         total = sums.setdefault(name, [0.0, 0])
         total[0], total[1] = total[0] + part, total[1] + n
     return {name: math.exp(total / count) for name, (total, count) in sums.items()}
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc malloc_trim) so that freed layers leave the RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 __all__ = ["open_stream", "check_streamable", "StreamSource", "StreamedLayers",

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ from .archs import (
     tlm_state_dict_from_hf,
 )
 from .errors import ConversionError, first_few, one_line
+from .hub import offline
 from .sizes import check_model_size
 
 # the files of a tokenizer: a folder with any of them has one; all of them are copied when it cannot be re-saved
@@ -237,7 +239,7 @@ class SafetensorsFiles(TensorIndex):
 
 
 def all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
-    # in blocks: torch.isfinite on a whole tensor briefly takes about 1.7x the tensor's own size
+    # in blocks: torch.isfinite on a whole tensor briefly allocates more than the tensor's own size
     flat = tensor.reshape(-1)
     return all(bool(torch.isfinite(flat[s : s + block]).all()) for s in range(0, flat.numel(), block))
 
@@ -453,15 +455,10 @@ def _as_dtype(dtype) -> torch.dtype:
     return names[str(dtype).replace("torch.", "")]
 
 
-def _offline() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
 def _download(repo_id: str) -> Path:
     unreachable = (f"model '{repo_id}' is not a local path and the hub cannot be reached; download it first and "
                    "pass the local folder")
-    if _offline():
+    if offline("transformers"):
         raise ConversionError(unreachable)
     try:
         from huggingface_hub import snapshot_download
@@ -538,7 +535,9 @@ def generation_config_of(path: Path):
 
     try:
         return GenerationConfig.from_pretrained(str(path))
-    except Exception:  # a broken generation config must not block a conversion
+    except Exception as err:  # transformers' reader; a broken generation config must not block a conversion
+        warnings.warn(f"{path / 'generation_config.json'} was not read ({one_line(err)}); the output gets none",
+                      stacklevel=2)
         return None
 
 

@@ -1,4 +1,4 @@
-"""Writing a TLM (tapered or not) in one of four checkpoint formats.
+"""Writing a TLM (tapered or not) in one of five checkpoint formats (:data:`FORMATS`).
 
 ``export_model(model_or_(config, state_dict), out_dir, fmt, source)`` with ``fmt``:
 
@@ -14,6 +14,8 @@
   Llama-family blocks only, every width a multiple of 256 (the engines derive widths from ``ffn_mult``).
 * ``"padded"``: the stock source class, no remote code: every layer zero-padded to the widest one (zero
   gate/up rows and down columns; GPT-2 zero c_fc columns and bias entries, zero c_proj rows): the same function.
+* ``"gguf"``: one ``model.gguf`` for llama.cpp (tlm_io.gguf_export): its deci/llama architecture with the exact
+  per-layer widths.
 
 A format that cannot represent the model exactly raises ConversionError saying why and what to use instead.
 Files are written only inside ``out_dir`` (the caller makes it a temporary folder and renames it when done).
@@ -47,7 +49,7 @@ from .hf_layout import (
     with_widths,
 )
 from .load import load_tokenizer
-from .outputs import OutputLock, check_output_path, staged
+from .outputs import check_output_path, output_run, staged
 from .templates import DECI_FILES, TAPERED_FILE, render_tapered, template_bytes
 from .templates.configuration_decilm import ffn_mult_to_intermediate_size as deci_width
 
@@ -123,8 +125,7 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
     state = src.state_dict
     if fmt != "gguf" and weight_type is not None:
         state = {k: v.to(dtypes[weight_type]) if v.is_floating_point() else v for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out), staged(out) as tmp:
+    with output_run(out), staged(out) as tmp:
         export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
     return out
 

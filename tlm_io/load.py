@@ -1,8 +1,14 @@
-"""Loading a model and its tokenizer: the one loader of ``tlm-convert``, ``tlm train``, ``eval``, ``analyze`` and
-``compare``."""
+"""Loading a model and its tokenizer: the one loader of ``tlm-convert``, ``tlm train``, ``tokenize``, ``eval``,
+``analyze`` and ``compare``.
+
+:func:`load_model` reads any checkpoint tlm-convert reads into a TLMForCausalLM; :func:`load_tokenizer` gives the
+tokenizer of a loaded source, of a checkpoint path without reading its weights, of a tokenizer folder or hub name,
+or ``byte`` (UTF-8 bytes as tokens, for models trained from scratch).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -10,10 +16,12 @@ import torch
 from tlm import TLMForCausalLM
 from tlm.modules import RotaryEmbedding, rope_inv_freq
 
-from .checkpoint import load_source, resolve_builtin
+from .checkpoint import load_source, locate, resolve_builtin, tokenizer_folder, tokenizer_kwargs
 from .errors import ConversionError
 from .gguf_export import restore_digit_split
 from .remote_code import auto_tokenizer
+
+BYTE_TOKENIZER = "byte"  # the name load_tokenizer reads as byte_tokenizer()
 
 
 def load_model(source: str, device: str = "cpu", with_tokenizer: bool = True, trust_remote_code: bool = False):
@@ -28,17 +36,70 @@ def load_model(source: str, device: str = "cpu", with_tokenizer: bool = True, tr
     return model.to(device).eval(), tokenizer, src
 
 
-def load_tokenizer(src):
-    """The tokenizer of a loaded source (a Source or a StreamSource); ConversionError when it has none. Read from
-    a GGUF, it gets back the digit split transformers' GGUF reader drops (gguf_export.restore_digit_split)."""
-    found = src.tokenizer_kwargs()
+def load_tokenizer(source, trust_remote_code: bool = False):
+    """The tokenizer of ``source``; ConversionError when a checkpoint has none.
+
+    ``source``: a loaded Source or StreamSource (its own tokenizer files and trust setting), ``"byte"``
+    (:func:`byte_tokenizer`), or a path or name: a checkpoint :func:`load_model` reads (a folder, a .gguf file, a
+    built-in name; only its tokenizer files are read, never its weights), a tokenizer folder, or a hub tokenizer
+    name. The tokenizer runs the folder's own code only with ``trust_remote_code``. Read from a GGUF, it gets back
+    the digit split transformers' GGUF reader drops (gguf_export.restore_digit_split)."""
+    if isinstance(source, (str, os.PathLike)):
+        if os.fspath(source) == BYTE_TOKENIZER:
+            return byte_tokenizer()
+        where, found = os.fspath(source), tokenizer_files(source, trust_remote_code)
+    else:
+        where, found = source.path, source.tokenizer_kwargs()
     if found is None:
-        raise ConversionError(f"{src.path} has no tokenizer files; add the source tokenizer to the folder")
+        raise ConversionError(f"{where} has no tokenizer files; add the source tokenizer to the folder")
     path, kwargs = found
     tokenizer = auto_tokenizer(path, **kwargs)
     if "gguf_file" in kwargs:
         restore_digit_split(tokenizer, Path(path) / kwargs["gguf_file"])
     return tokenizer
+
+
+def tokenizer_files(source: str | os.PathLike, trust_remote_code: bool = False) -> tuple[str, dict] | None:
+    """(path, AutoTokenizer keyword arguments) of the tokenizer named by ``source`` without reading any weights:
+    a local folder with tokenizer files is used as it is, another local checkpoint (a .gguf file, a folder holding
+    one) as :func:`load_model` would find it; anything else (a hub name) goes to AutoTokenizer unchanged. None for
+    a local checkpoint without a tokenizer."""
+    text = resolve_builtin(os.fspath(source))
+    path = Path(text).expanduser()
+    if not path.exists():
+        return tokenizer_kwargs(text, trust_remote_code)
+    if path.is_dir() and tokenizer_folder(path) is not None:
+        return tokenizer_kwargs(str(path), trust_remote_code)
+    found = locate(path, download=False)  # a .gguf file or a checkpoint folder; one-line errors otherwise
+    found_source = (str(found.parent), found.name) if found.is_file() else tokenizer_folder(found)
+    return tokenizer_kwargs(found_source, trust_remote_code)
+
+
+def byte_tokenizer():
+    """UTF-8 bytes as tokens (ids 0..255) plus ``<|endoftext|>`` (256), as a transformers fast tokenizer that
+    saves and loads like any other (ByteLevel BPE without merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = _byte_chars()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def _byte_chars() -> dict[int, str]:
+    """The printable character standing for each byte in byte-level BPE vocabularies (GPT-2's convention:
+    printable Latin-1 bytes stand for themselves, the others map to code points from 256 up, in byte order)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 def materialize(config, state_dict: dict) -> TLMForCausalLM:
@@ -61,4 +122,4 @@ def materialize(config, state_dict: dict) -> TLMForCausalLM:
     return model
 
 
-__all__ = ["load_model", "load_tokenizer", "materialize"]
+__all__ = ["BYTE_TOKENIZER", "byte_tokenizer", "load_model", "load_tokenizer", "materialize", "tokenizer_files"]

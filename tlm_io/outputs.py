@@ -9,6 +9,8 @@ here:
 * :class:`OutputLock` holds ``.NAME.lock`` beside OUTPUT with ``flock`` for the life of the run: a second run into
   the same OUTPUT refuses with one line naming the holder (pid, host, start time). The kernel drops the lock when
   its process dies, however it dies, so a stale lock file never blocks.
+* :func:`output_run` holds the lock of one run, cleans up after dead runs first and, when the run fails,
+  removes the parents of OUTPUT it created.
 * :func:`clean_stale` runs under the lock: any ``.NAME.tmp-*`` / ``.NAME.old-*`` folder then belongs to a dead run
   (a live one would hold the lock), so it is removed -- or, when a kill left no OUTPUT but an ``.old-*`` folder,
   that complete previous output is put back.
@@ -316,6 +318,31 @@ def _clean(folder: Path, stale: re.Pattern) -> list[Path]:
     return found
 
 
+# ============================================================================================== one run
+
+
+@contextmanager
+def output_run(out: str | os.PathLike, option: str = "-o"):
+    """``with output_run(out):`` hold ``out`` for one run that publishes it through :func:`staged`: its lock for the
+    whole run (a second run into ``out`` is refused), the folders of dead runs cleaned first (:func:`clean_stale`),
+    and on any failure the missing parents of ``out`` that the run created removed again. With :func:`staged`
+    removing its own temporary folder and ``out`` appearing only when published, a failed run leaves the file
+    system as it found it."""
+    out = Path(out).expanduser().absolute()
+    created = [p for p in out.parents if not p.exists()]  # deepest first
+    try:
+        with OutputLock(out, option):
+            clean_stale(out)
+            yield out
+    except BaseException:
+        for folder in created:  # only folders this run created, and only while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
 # ============================================================================================== run folders
 
 RUN_MARKER = ".tlm-run"  # written first into a folder a run owns (a training output_dir)
@@ -435,6 +462,6 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "RUN_MARKER", "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
+__all__ = ["OutputLock", "RUN_MARKER", "output_run", "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

@@ -14,15 +14,12 @@ disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code``, `
 from __future__ import annotations
 
 import codecs
-import logging
-import os
 from pathlib import Path
 
 import torch
 
 from .errors import ConversionError, one_line
-
-logger = logging.getLogger(__name__)
+from .hub import offline
 
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED = {"default": DATA_DIR / "calibration_mix.txt", "default-eval": DATA_DIR / "eval_en.txt",
@@ -110,11 +107,6 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def _offline() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
 def dataset_rows(path: Path, source: str):
     if path.exists():
         files = (sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
@@ -141,7 +133,7 @@ def dataset_rows(path: Path, source: str):
     if _looks_like_path(path, source):
         raise ConversionError(f"data file '{source}' does not exist; pass an existing .txt/.jsonl/.parquet file or "
                               "folder, 'default', or a hub dataset name")
-    if _offline():
+    if offline("datasets"):
         raise ConversionError(f"data {source!r} is not a local file and the hub is offline (HF_HUB_OFFLINE / "
                               "HF_DATASETS_OFFLINE); pass a local .txt/.jsonl/.parquet path")
     import datasets
@@ -163,6 +155,12 @@ def _text_column(ds, source):
     return (row["text"] for row in ds if isinstance(row.get("text"), str) and row["text"])
 
 
+def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The 1-D token ids cut into (len(ids) // seq_len, seq_len) consecutive blocks (a view; the tail is dropped)."""
+    n = len(ids) // seq_len
+    return ids[: n * seq_len].view(n, seq_len)
+
+
 def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration",
                  spread: bool | None = None) -> torch.Tensor:
     """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block.
@@ -179,7 +177,7 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     if n < 1:
         raise ConversionError(f"{what} data has {len(ids)} tokens, fewer than one block of --seq-len {seq_len}; "
                               "pass more text or a smaller --seq-len")
-    blocks = ids[: total * seq_len].view(total, seq_len)
+    blocks = to_blocks(ids, seq_len)  # (total, seq_len)
     if spread is None:
         spread = what == "calibration"
     if not spread or n == total:
@@ -188,5 +186,5 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
-__all__ = ["load_text", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED", "EVAL_SETS",
-           "IN_DOMAIN", "DATA_FORMATS"]
+__all__ = ["load_text", "to_blocks", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED",
+           "EVAL_SETS", "IN_DOMAIN", "DATA_FORMATS"]

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from tlm.cms import ContinuumMemory
 from tlm.modeling_tlm import TLMDecoderLayer
+from tlm_io.errors import AnalysisError
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,6 @@ _REFERENCE_TEXT = {
     "h": "h_l: block input (residual stream before the mixer)",
     "z": "z_l: residual after the mixer, before the pre-MLP norm (what the MLP half reads)",
 }
-
-
-class AnalysisError(ValueError):
-    """The analysis cannot run on this model or data; the message says why, on one line."""
 
 
 # ================================================================================================ results

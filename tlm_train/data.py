@@ -25,48 +25,11 @@ from pathlib import Path
 
 import torch
 
-from tlm_io.remote_code import auto_tokenizer
 from tlm_io.text import BUNDLED, dataset_rows, is_plain_text, load_text
 
 from .shards import GroupWriter, TokenBlocks, TokenShards, open_shards, token_dtype, write_shards
 
 logger = logging.getLogger(__name__)
-
-BYTE_TOKENIZER = "byte"
-
-
-def byte_tokenizer():
-    """UTF-8 bytes as tokens (ids 0..255) plus ``<|endoftext|>`` (256), as a transformers fast tokenizer that
-    saves and loads like any other (ByteLevel BPE without merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = _byte_chars()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-def _byte_chars() -> dict[int, str]:
-    """The printable character standing for each byte in byte-level BPE vocabularies (GPT-2's convention:
-    printable Latin-1 bytes stand for themselves, the others map to code points from 256 up, in byte order)."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    if name == BYTE_TOKENIZER:
-        return byte_tokenizer()
-
-    return auto_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def _data_identity(source: str) -> dict:
@@ -156,11 +119,6 @@ def _documents(source: str):
         yield text, i > 0
 
 
-def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    n = len(ids) // seq_len
-    return ids[: n * seq_len].view(n, seq_len)  # (n, seq_len)
-
-
 class BatchOrder:
     """Deterministic global order of training blocks (see the module doc). ``micro_batch(step, micro, rank)``."""
 
@@ -218,5 +176,5 @@ def micro_batch_loader(order: BatchOrder, rank: int, first_step: int, last_step:
         yield ids.pin_memory() if pin_memory else ids
 
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "token_shards", "tokenize_cached", "recipe_tokens", "to_blocks",
-           "BatchOrder", "MicroBatches", "micro_batch_loader", "TokenBlocks", "BYTE_TOKENIZER"]
+__all__ = ["token_shards", "tokenize_cached", "recipe_tokens", "BatchOrder", "MicroBatches", "micro_batch_loader",
+           "TokenBlocks"]

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import time
 
-from .data import load_tokenizer, recipe_tokens
+from tlm_io.errors import TrainError
+from tlm_io.load import load_tokenizer, tokenizer_files
+
+from .data import recipe_tokens
 from .recipe import Recipe
-from .trainer import build_model_and_tokenizer
 
 
 def recipe_tokenizer(recipe: Recipe):
-    """The tokenizer a run of ``recipe`` uses (``tokenizer:``, else init_from's)."""
+    """The tokenizer a run of ``recipe`` uses (``tokenizer:``, else init_from's), read from its tokenizer files
+    alone: no weights are loaded."""
     if recipe.tokenizer is not None:
-        return load_tokenizer(recipe.tokenizer)
-    return build_model_and_tokenizer(recipe)[1]
+        return load_tokenizer(recipe.tokenizer, recipe.trust_remote_code)
+    if tokenizer_files(recipe.init_from, recipe.trust_remote_code) is None:
+        raise TrainError(f"'{recipe.init_from}' has no tokenizer files; set tokenizer: (a tokenizer folder, or "
+                         "'byte')")
+    return load_tokenizer(recipe.init_from, recipe.trust_remote_code)
 
 
 def prepare_data(recipe: Recipe) -> dict:

@@ -21,10 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from tlm import TLMConfig
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message lists every problem, one per line."""
+from tlm_io.errors import RecipeError
 
 
 @dataclass

@@ -23,13 +23,11 @@ from pathlib import Path
 
 import torch
 
+from tlm_io.errors import StateError
+
 MANIFEST = "manifest.json"
 FORMAT = 2  # 1: the pickled .pt files of the first versions; 2: JSON + safetensors with a manifest
 _TENSOR, _ARRAY, _TUPLE, _DICT = "__tensor__", "__ndarray__", "__tuple__", "__dict__"
-
-
-class StateError(ValueError):
-    """A state file that is missing, corrupt or not in the expected format; the message names the file."""
 
 
 # ============================================================================================== encode / decode

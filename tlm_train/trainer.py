@@ -48,18 +48,19 @@ import torch.nn.functional as F
 
 from tlm import TLMConfig, TLMForCausalLM
 from tlm.slow import SlowLevels
-from tlm_io.errors import ConversionError, first_few
+from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
 from tlm_io.export import export_model
-from tlm_io.load import load_model, load_tokenizer as source_tokenizer
+from tlm_io.load import load_model, load_tokenizer
 from tlm_io.outputs import (OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
                             publish, save_errors)
 from tlm_io.perplexity import nll_sum
 from tlm_io.sizes import check_model_size
+from tlm_io.text import to_blocks
 
 from . import state_io
-from .data import BatchOrder, TokenBlocks, load_tokenizer, micro_batch_loader, recipe_tokens, to_blocks
+from .data import BatchOrder, TokenBlocks, micro_batch_loader, recipe_tokens
 from .losses import head_loss, teacher_topk
-from .recipe import Recipe, RecipeError, recipe_from_dict
+from .recipe import Recipe, recipe_from_dict
 from .teacher_cache import TeacherTopCache
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,6 @@ STOP_FILE = "STOP"
 _OUTPUTS = rf"{CHECKPOINT_PREFIX}\d+|final"
 _OWNED = (rf"{_OUTPUTS}|\.(?:{_OUTPUTS})\.(?:tmp-train|old-\d+)|recipe\.yaml|metrics\.jsonl|run_summary\.json|"
           rf"tensorboard|{STOP_FILE}")
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue (bad checkpoint, mismatched resume, ...): one line saying what to do."""
 
 
 @dataclass
@@ -191,7 +188,7 @@ def load_pretrained(path: str, tokenizer_name: str | None = None, with_tokenizer
         return model, load_tokenizer(tokenizer_name, trust_remote_code)
     if src.tokenizer_kwargs() is None:
         raise TrainError(f"'{path}' has no tokenizer files; set tokenizer: (a tokenizer folder, or 'byte')")
-    return model, source_tokenizer(src)
+    return model, load_tokenizer(src)
 
 
 def select_trainable(model, patterns: list[str]) -> int:
@@ -516,7 +513,7 @@ class _Run:
     def _load_checkpoint(self, path: Path) -> None:
         try:
             self._restore(path)
-        except state_io.StateError as err:
+        except StateError as err:
             raise TrainError(f"cannot resume from {path}: {err}; resume from an earlier {CHECKPOINT_PREFIX}<step> "
                              "folder") from None
 
@@ -899,7 +896,7 @@ def _read_trainer_state(path: Path) -> dict:
         int(state["step"])
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise state_io.StateError(f"{file} cannot be read ({type(err).__name__})") from None
+        raise StateError(f"{file} cannot be read ({type(err).__name__})") from None
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -912,7 +909,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             weights.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error type
-            raise state_io.StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
+            raise StateError(f"{file} cannot be read ({str(err).splitlines()[0][:200]})") from None
     return weights
 
 

@@ -50,7 +50,7 @@ for p in sorted(pathlib.Path('.').glob('*/conversion_report.json')):
         r.pop(k, None)
     print(hashlib.sha256(json.dumps(r, sort_keys=True).encode()).hexdigest(), p, '(normalised)')
 for p in sorted(pathlib.Path('.').glob('*/report.md')):
-    t = re.sub(r'^\| (load|calibrate|rank|resize|save|eval|total) \| [0-9.]+ \|$', '', p.read_text(), flags=re.M)
+    t = re.sub(r'^\| (load|sample|calibrate|rank|resize|save|eval|heal|total) \| [0-9.]+ \|$', '', p.read_text(), flags=re.M)
     t = re.sub(r'Peak memory \(RSS\): .*', '', t)
     print(hashlib.sha256(t.encode()).hexdigest(), p, '(normalised)')
 for p in sorted(pathlib.Path('.').glob('*.log')):
