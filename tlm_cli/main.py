@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from tlm_convert.compare import format_table, load_compare, run_comparison
-from tlm_io.checkpoint import resolve_builtin
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import load_model
+from tlm_io.locate import resolve_builtin
 from tlm_io.perplexity import strided_perplexity
 from tlm_io.text import eval_sources, load_text, token_blocks
 from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio

@@ -17,6 +17,7 @@
 * ``"gguf"``: one ``model.gguf`` for llama.cpp (tlm_io.gguf_export): its deci/llama architecture with the exact
   per-layer widths.
 
+The Python files of the ``hf`` and ``deci`` views are modules of :mod:`tlm_io.templates`, rendered or copied.
 A format that cannot represent the model exactly raises ConversionError saying why and what to use instead.
 Files are written only inside ``out_dir`` (the caller makes it a temporary folder and renames it when done).
 """
@@ -33,7 +34,7 @@ import torch
 from tlm import TLMConfig, TLMForCausalLM
 
 from .archs import SUPPORTED_ARCHITECTURES
-from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict, load_source
+from .checkpoint import Source, load_source
 from .errors import ConversionError, one_line
 from .gguf_export import GGUF_FILE, write_gguf
 from .hf_layout import (
@@ -50,8 +51,10 @@ from .hf_layout import (
 )
 from .load import load_tokenizer
 from .outputs import check_output_path, output_run, staged
+from .shapes import check_tlm_state_dict
 from .templates import DECI_FILES, TAPERED_FILE, render_tapered, template_bytes
 from .templates.configuration_decilm import ffn_mult_to_intermediate_size as deci_width
+from .tokenizer_source import TOKENIZER_FILES
 
 FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
@@ -311,7 +314,7 @@ def copy_tokenizer(source: Source | None, out: Path) -> None:
         load_tokenizer(source).save_pretrained(str(out))
         portable_tokenizer_config(out)
         return
-    except Exception as err:
+    except Exception as err:  # transformers' tokenizer code (the folder's own with trust_remote_code)
         problem = one_line(err)
     copied = []
     if "gguf_file" not in kwargs and Path(path).is_dir():
