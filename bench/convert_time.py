@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tlm_io.checkpoint import resolve_builtin  # noqa: E402
+from tlm_io.locate import resolve_builtin  # noqa: E402
 from tlm_convert.convert import ConvertOptions, calibration_sources, convert  # noqa: E402
 from tlm_io.load import load_model  # noqa: E402
 from tlm_convert.samples import SELF, calibration_blocks  # noqa: E402

@@ -51,7 +51,8 @@ def main() -> None:
     import torch.nn.functional as F
     from llama_cpp import Llama
 
-    from tlm_io.checkpoint import load_source, resolve_builtin
+    from tlm_io.checkpoint import load_source
+    from tlm_io.locate import resolve_builtin
     from tlm_io.export import export_checkpoint
     from tlm_io.load import load_tokenizer, materialize
     from tlm_io.text import load_text

@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     from llama_cpp import Llama
 
-    from tlm_io.checkpoint import resolve_builtin
+    from tlm_io.locate import resolve_builtin
     from tlm_io.load import load_tokenizer
     from tlm_io.text import BUNDLED, load_text
 

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from tlm import TLMForCausalLM
 from tlm_io.archs import SUPPORTED_ARCHITECTURES
-from tlm_io.checkpoint import SafetensorsFiles, Source, load_source, read_state_dict, weight_files
+from tlm_io.checkpoint import Source, load_source
+from tlm_io.readers import SafetensorsFiles, read_state_dict, weight_files
 from tlm_io.errors import ConversionError
 
 V, TOL = 99, 1e-5
@@ -209,7 +210,7 @@ def _transformers_gguf_source(file, monkeypatch):
     from tlm_io import checkpoint
 
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "_read_gguf_tensors", lambda *args: None)
+        m.setattr(checkpoint, "read_gguf_tensors", lambda *args: None)
         return load_source(file)
 
 

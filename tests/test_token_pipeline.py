@@ -307,3 +307,23 @@ def test_tokenize_reads_only_the_tokenizer_files_of_init_from(tmp_path, monkeypa
         (source / name).unlink(missing_ok=True)
     with pytest.raises(TrainError, match="has no tokenizer files; set tokenizer:"):
         recipe_tokenizer(recipe)
+
+
+def test_tokenize_never_reads_the_weights_of_init_from(tmp_path):
+    """``tlm tokenize`` without ``tokenizer:`` on a checkpoint whose weights file is garbage: loading the model fails
+    on that file, the tokenizer (all ``tlm tokenize`` needs) still comes back, equal to the intact checkpoint's."""
+    from tiny_sources import make_source
+    from tlm_io.errors import ConversionError
+    from tlm_io.load import load_model
+    from tlm_train.prepare import recipe_tokenizer
+
+    source = make_source(tmp_path / "src", "llama")
+    spec = tiny_recipe(tmp_path, init_from=str(source), tokenizer=None)
+    del spec["model"]
+    recipe = recipe_from_dict(spec)
+    intact = recipe_tokenizer(recipe)
+    (source / "model.safetensors").write_bytes(b"\xff" * 64)  # no safetensors header: any weight read fails
+    with pytest.raises(ConversionError, match="model.safetensors' is corrupt or truncated"):
+        load_model(str(source))
+    tokenizer = recipe_tokenizer(recipe)
+    assert tokenizer.get_vocab() == intact.get_vocab() and tokenizer("a b c").input_ids == intact("a b c").input_ids

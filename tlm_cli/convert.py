@@ -13,10 +13,10 @@ from tlm_convert.evalsets import perplexity_lines
 from tlm_convert.importance import METRICS
 from tlm_convert.reconstruct import TOKEN_WEIGHTINGS
 from tlm_convert.surgery import GROW_INITS
-from tlm_io.checkpoint import resolve_builtin
 from tlm_io.errors import Stopped, one_line
 from tlm_io.export import FORMATS
 from tlm_io.heap import return_freed_memory
+from tlm_io.locate import resolve_builtin
 
 from .common import OneLineCommand, check_device, quiet_libraries, report_failure
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from tlm_convert.compare import format_tables, load_compare, run_comparison, select
-from tlm_io.checkpoint import resolve_builtin
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import check_positions, check_token_ids, load_model
+from tlm_io.locate import resolve_builtin
 from tlm_io.outputs import check_writable_parent
 from tlm_io.perplexity import strided_perplexity
 from tlm_io.text import eval_sources, load_text, token_blocks

@@ -13,9 +13,9 @@ for it::
 
 At any moment one decoder layer's weights are in memory. Safetensors are read with plain file reads, not memory maps
 (a mapped checkpoint's pages count in the process's resident set); a .bin shard is mapped for one tensor at a time,
-a GGUF file is mapped and dequantised tensor by tensor (checkpoint.BinTensors, checkpoint.GGUFTensors). ``--mixer titans`` (its fresh weights come from
-the whole model's seeded init) and exports other than ``tlm`` need the whole model: :func:`check_streamable`
-refuses them once, before anything is read.
+a GGUF file is mapped and dequantised tensor by tensor (tlm_io.readers, tlm_io.gguf_reader). ``--mixer titans``
+(its fresh weights come from the whole model's seeded init) and exports other than ``tlm`` need the whole model:
+:func:`check_streamable` refuses them once, before anything is read.
 """
 
 from __future__ import annotations
@@ -33,31 +33,26 @@ from tlm import TLMConfig, TLMForCausalLM
 from tlm.modeling_tlm import TLMDecoderLayer
 from tlm.modules import rope_inv_freq
 from tlm_io.archs import COPY, SUPPORTED_ARCHITECTURES, family_of, gather, tlm_shapes, tlm_targets, transform_tensor
-from tlm_io.checkpoint import (
-    BinTensors,
-    GGUFTensors,
-    SafetensorsFiles,
-    Source,
-    TensorIndex,
-    check_shapes,
+from tlm_io.checkpoint import Source
+from tlm_io.config_import import (
     generation_config_of,
     import_hf_config,
-    locate,
-    prepare_tensor,
     read_gguf_config,
     read_hf_config,
-    read_json,
     read_tlm_config,
     tie_missing_head,
-    tokenizer_folder,
     unsupported_error,
-    weight_files,
 )
 from tlm_io.errors import ConversionError, first_few
 from tlm_io.export import copy_tokenizer, write_generation_config
+from tlm_io.gguf_reader import GGUFTensors
 from tlm_io.heap import trim_heap
+from tlm_io.locate import locate
 from tlm_io.perplexity import nll_sum
+from tlm_io.readers import BinTensors, SafetensorsFiles, TensorIndex, prepare_tensor, read_json, weight_files
+from tlm_io.shapes import check_shapes
 from tlm_io.sizes import check_model_size
+from tlm_io.tokenizer_source import tokenizer_folder
 
 from .upcycle import carry_scores, upcycle_layer
 

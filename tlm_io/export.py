@@ -17,6 +17,7 @@
 * ``"gguf"``: one ``model.gguf`` for llama.cpp (tlm_io.gguf_export): its deci/llama architecture with the exact
   per-layer widths.
 
+The Python files of the ``hf`` and ``deci`` views are modules of :mod:`tlm_io.templates`, rendered or copied.
 A format that cannot represent the model exactly raises ConversionError saying why and what to use instead.
 Files are written only inside ``out_dir`` (the caller makes it a temporary folder and renames it when done).
 """
@@ -33,7 +34,7 @@ import torch
 from tlm import TLMConfig, TLMForCausalLM
 
 from .archs import SUPPORTED_ARCHITECTURES
-from .checkpoint import TOKENIZER_FILES, Source, check_tlm_state_dict, load_source
+from .checkpoint import Source, load_source
 from .errors import ConversionError, one_line
 from .gguf_export import GGUF_FILE, write_gguf
 from .hf_layout import (
@@ -50,6 +51,10 @@ from .hf_layout import (
 )
 from .load import load_tokenizer
 from .outputs import check_output_given, check_output_path, output_run, staged
+from .shapes import check_tlm_state_dict
+from .templates import DECI_FILES, TAPERED_FILE, render_tapered, template_bytes
+from .templates.configuration_decilm import ffn_mult_to_intermediate_size as deci_width
+from .tokenizer_source import TOKENIZER_FILES
 
 FORMATS = ("tlm", "hf", "deci", "padded", "gguf")
 DECI_MULTIPLE = 256
@@ -172,7 +177,7 @@ def _export_hf(config: TLMConfig, state_dict, out: Path, fmt: str, source: Sourc
         hf_config.architectures = [tapered_lm]
         hf_config.auto_map = {"AutoModelForCausalLM": f"modeling_tapered.{tapered_lm}",
                               "AutoModel": f"modeling_tapered.{tapered_base}"}
-        (out / "modeling_tapered.py").write_text(tapered_modeling_source(model_type), encoding="utf-8")
+        (out / TAPERED_FILE).write_text(tapered_modeling_source(model_type), encoding="utf-8")
     else:
         hf_config.architectures = [stock[2]]
     hf_config.save_pretrained(str(out))
@@ -211,12 +216,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_siz
 def ffn_mult_for(width: int, hidden_size: int) -> float:
     """DeciLM ``ffn_mult`` for an MLP width (a multiple of 256): 1.5·w/h."""
     return 1.5 * width / hidden_size
-
-
-def deci_width(ffn_mult: float, hidden_size: int) -> int:
-    """The width vLLM / SGLang / llama.cpp / mlx-lm derive: find_multiple(int(2·ffn_mult·h/3), 256)."""
-    n = int(2 * ffn_mult * hidden_size / 3)
-    return n if n % DECI_MULTIPLE == 0 else n + DECI_MULTIPLE - n % DECI_MULTIPLE
 
 
 _DECI_FAMILY_REASONS = {
@@ -296,8 +295,8 @@ def _export_deci(config: TLMConfig, state_dict, out: Path, source: Source | None
     for key in ("per_layer_config", "serialize_explicit_per_layer_config"):
         fields.pop(key, None)
     (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    (out / "configuration_decilm.py").write_text(DECI_CONFIGURATION_SOURCE, encoding="utf-8")
-    (out / "modeling_decilm.py").write_text(DECI_MODELING_SOURCE, encoding="utf-8")
+    for name in DECI_FILES:
+        (out / name).write_bytes(template_bytes(name))
     write_safetensors(tensors, out, max_shard_size)
 
 
@@ -316,7 +315,7 @@ def copy_tokenizer(source: Source | None, out: Path) -> None:
         load_tokenizer(source).save_pretrained(str(out))
         portable_tokenizer_config(out)
         return
-    except Exception as err:
+    except Exception as err:  # transformers' tokenizer code (the folder's own with trust_remote_code)
         problem = one_line(err)
     copied = []
     if "gguf_file" not in kwargs and Path(path).is_dir():
@@ -366,218 +365,12 @@ def write_generation_config(source: Source | None, instance, fmt: str, out: Path
 # ============================================================================================== remote code
 
 
-_TAPERED_TEMPLATE = '''"""Tapered {arch}: transformers' stock {arch} with one MLP width per layer.
-
-Written by tlm-convert (tapered-lm). config.json is a stock `{model_type}` config whose `per_layer_config` gives
-every layer's `{width_key}`; the stock classes refuse it (the global width is ambiguous), these subclasses build
-the stock model and then replace layer i's MLP with the stock MLP at `config.per_layer_config[i].{width_key}`.
-Everything else is inherited unchanged. Load with:
-
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-"""
-
-import logging
-from contextlib import contextmanager
-
-from transformers.models.{module}.modeling_{module} import {base}, {causal_lm}, {mlp}
-
-_HETEROGENEITY_LOGGER = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
-
-
-@contextmanager
-def _global_width_access(config):
-    """Let the stock constructor read the global width while it builds the layers that are replaced below."""
-    had_flag = "allow_global_per_layer_attribute_access" in config.__dict__
-    previous_flag = config.allow_global_per_layer_attribute_access
-    previous_level = _HETEROGENEITY_LOGGER.level
-    config.allow_global_per_layer_attribute_access = True
-    _HETEROGENEITY_LOGGER.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        _HETEROGENEITY_LOGGER.setLevel(previous_level)
-        if had_flag:
-            config.allow_global_per_layer_attribute_access = previous_flag
-        else:
-            config.__dict__.pop("allow_global_per_layer_attribute_access", None)
-
-
-def _layer_mlp(layer_config):
-{make_mlp}
-
-
-class Tapered{base}({base}):
-    def __init__(self, config):
-        with _global_width_access(config):
-            super().__init__(config)
-        for i, layer in enumerate(self.{layers}):
-            layer.mlp = _layer_mlp(config.per_layer_config[i])
-        self.post_init()
-
-
-class Tapered{causal_lm}({causal_lm}):
-    def __init__(self, config):
-        with _global_width_access(config):
-            super().__init__(config)
-        self.{prefix} = Tapered{base}(config)
-        self.post_init()
-
-
-__all__ = ["Tapered{base}", "Tapered{causal_lm}"]
-'''
-
-
 def tapered_modeling_source(model_type: str) -> str:
     """The ``modeling_tapered.py`` written beside an ``hf`` export of ``model_type``."""
     module, base, causal_lm, mlp, layers, prefix = STOCK_CLASSES[model_type]
-    if model_type == "gpt2":
-        make_mlp = ("    width = layer_config.n_inner\n"
-                    "    if width is None:\n"
-                    "        width = 4 * layer_config.hidden_size\n"
-                    f"    return {mlp}(width, layer_config)")
-    else:
-        make_mlp = f"    return {mlp}(layer_config)"
     arch = causal_lm.replace("ForCausalLM", "").replace("LMHeadModel", "")
-    return _TAPERED_TEMPLATE.format(arch=arch, model_type=model_type, width_key=WIDTH_KEY[model_type], module=module,
-                                    base=base, causal_lm=causal_lm, mlp=mlp, layers=layers, prefix=prefix,
-                                    make_mlp=make_mlp)
-
-
-DECI_CONFIGURATION_SOURCE = '''"""DeciLM (`nemotron-nas`) configuration: a Llama config plus one `block_configs` entry
-per layer.
-
-Written by tlm-convert (tapered-lm), minimal: it reads and writes the schema of NVIDIA's Nemotron-NAS checkpoints
-(`attention`: n_heads_in_group, no_op, replace_with_linear; `ffn`: ffn_mult, no_op, replace_with_linear,
-intermediate_size) and exposes the entries as attribute objects (`config.block_configs[i].ffn.ffn_mult`), which is
-how vLLM and SGLang read them.
-"""
-
-import dataclasses
-
-from transformers import LlamaConfig
-
-
-def find_multiple(n: int, k: int) -> int:
-    return n if n % k == 0 else n + k - (n % k)
-
-
-def ffn_mult_to_intermediate_size(ffn_mult: float, hidden_size: int) -> int:
-    """The MLP width the serving engines derive from ffn_mult."""
-    return find_multiple(int(2 * ffn_mult * hidden_size / 3), 256)
-
-
-def _known(cls, values):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in (values or {}).items() if k in names}
-
-
-@dataclasses.dataclass
-class AttentionConfig:
-    n_heads_in_group: int = None
-    no_op: bool = False
-    replace_with_linear: bool = False
-
-
-@dataclasses.dataclass
-class FFNConfig:
-    ffn_mult: float = None
-    no_op: bool = False
-    replace_with_linear: bool = False
-    intermediate_size: int = None
-
-
-@dataclasses.dataclass
-class BlockConfig:
-    attention: AttentionConfig
-    ffn: FFNConfig
-
-    @classmethod
-    def from_dict(cls, values):
-        attention, ffn = values.get("attention"), values.get("ffn")
-        if not isinstance(attention, AttentionConfig):
-            attention = AttentionConfig(**_known(AttentionConfig, attention))
-        if not isinstance(ffn, FFNConfig):
-            ffn = FFNConfig(**_known(FFNConfig, ffn))
-        return cls(attention=attention, ffn=ffn)
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-
-class DeciLMConfig(LlamaConfig):
-    model_type = "nemotron-nas"
-
-    def __init__(self, block_configs=None, **kwargs):
-        super().__init__(**kwargs)
-        self.block_configs = [b if isinstance(b, BlockConfig) else BlockConfig.from_dict(b)
-                              for b in block_configs or []]
-
-    def to_dict(self):
-        output = super().to_dict()
-        output["block_configs"] = [b.to_dict() for b in self.block_configs]
-        return output
-
-
-__all__ = ["DeciLMConfig", "BlockConfig", "AttentionConfig", "FFNConfig", "ffn_mult_to_intermediate_size"]
-'''
-
-
-DECI_MODELING_SOURCE = '''"""DeciLM (`nemotron-nas`) for transformers: Llama with a per-layer MLP width and key/value
-head count.
-
-Written by tlm-convert (tapered-lm), minimal: layer i's MLP width is
-find_multiple(int(2 * ffn_mult * hidden_size / 3), 256) (the rule of vLLM, SGLang and llama.cpp), its key/value
-heads num_attention_heads // n_heads_in_group. no_op and replace_with_linear blocks are not implemented.
-"""
-
-import copy
-
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-
-from .configuration_decilm import DeciLMConfig, ffn_mult_to_intermediate_size
-
-
-def _layer_config(config, layer_idx):
-    block = config.block_configs[layer_idx]
-    for part in ("attention", "ffn"):
-        sub = getattr(block, part)
-        if sub.no_op or sub.replace_with_linear:
-            raise NotImplementedError(f"layer {layer_idx}: {part} no_op / replace_with_linear blocks are not "
-                                      "implemented by this minimal DeciLM code")
-    layer_config = copy.copy(config)
-    if block.ffn.ffn_mult is not None:
-        layer_config.intermediate_size = ffn_mult_to_intermediate_size(block.ffn.ffn_mult, config.hidden_size)
-    else:
-        layer_config.intermediate_size = block.ffn.intermediate_size
-    if block.attention.n_heads_in_group:
-        layer_config.num_key_value_heads = config.num_attention_heads // block.attention.n_heads_in_group
-    return layer_config
-
-
-class DeciLMModel(LlamaModel):
-    config_class = DeciLMConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        for i, layer in enumerate(self.layers):
-            layer_config = _layer_config(config, i)
-            layer.mlp = LlamaMLP(layer_config)
-            if layer_config.num_key_value_heads != config.num_key_value_heads:
-                layer.self_attn = LlamaAttention(layer_config, i)
-        self.post_init()
-
-
-class DeciLMForCausalLM(LlamaForCausalLM):
-    config_class = DeciLMConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = DeciLMModel(config)
-        self.post_init()
-
-
-__all__ = ["DeciLMModel", "DeciLMForCausalLM"]
-'''
+    return render_tapered(model_type, arch=arch, width_key=WIDTH_KEY[model_type], module=module, base=base,
+                          causal_lm=causal_lm, mlp=mlp, layers=layers, prefix=prefix)
 
 
 __all__ = ["FORMATS", "export_model", "export_checkpoint", "portable_tokenizer_config", "write_safetensors",

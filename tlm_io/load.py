@@ -16,10 +16,12 @@ import torch
 from tlm import TLMForCausalLM
 from tlm.modules import RotaryEmbedding, rope_inv_freq
 
-from .checkpoint import load_source, locate, resolve_builtin, tokenizer_folder, tokenizer_kwargs
+from .checkpoint import load_source
 from .errors import ConversionError
 from .gguf_export import restore_digit_split
+from .locate import resolve_builtin
 from .remote_code import auto_tokenizer
+from .tokenizer_source import tokenizer_files
 
 BYTE_TOKENIZER = "byte"  # the name load_tokenizer reads as byte_tokenizer()
 
@@ -102,22 +104,6 @@ def check_positions(config, seq_len: int, where, option: str = "--seq-len") -> N
                               f"position table: n_positions / max_position_embeddings); use {option} {limit} or less")
 
 
-def tokenizer_files(source: str | os.PathLike, trust_remote_code: bool = False) -> tuple[str, dict] | None:
-    """(path, AutoTokenizer keyword arguments) of the tokenizer named by ``source`` without reading any weights:
-    a local folder with tokenizer files is used as it is, another local checkpoint (a .gguf file, a folder holding
-    one) as :func:`load_model` would find it; anything else (a hub name) goes to AutoTokenizer unchanged. None for
-    a local checkpoint without a tokenizer."""
-    text = resolve_builtin(os.fspath(source))
-    path = Path(text).expanduser()
-    if not path.exists():
-        return tokenizer_kwargs(text, trust_remote_code)
-    if path.is_dir() and tokenizer_folder(path) is not None:
-        return tokenizer_kwargs(str(path), trust_remote_code)
-    found = locate(path, download=False)  # a .gguf file or a checkpoint folder; one-line errors otherwise
-    found_source = (str(found.parent), found.name) if found.is_file() else tokenizer_folder(found)
-    return tokenizer_kwargs(found_source, trust_remote_code)
-
-
 def byte_tokenizer():
     """UTF-8 bytes as tokens (ids 0..255) plus ``<|endoftext|>`` (256), as a transformers fast tokenizer that
     saves and loads like any other (ByteLevel BPE without merges)."""
@@ -166,4 +152,4 @@ def materialize(config, state_dict: dict) -> TLMForCausalLM:
 
 
 __all__ = ["BYTE_TOKENIZER", "byte_tokenizer", "check_positions", "check_token_ids", "check_vocab", "load_model",
-           "load_tokenizer", "materialize", "tokenizer_files"]
+           "load_tokenizer", "materialize"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .checkpoint import MAX_TOKENIZER_BYTES, TOKENIZER_FILES, parse_json, read_bounded
 from .errors import ConversionError, one_line
+from .readers import MAX_TOKENIZER_BYTES, parse_json, read_bounded
+from .tokenizer_source import TOKENIZER_FILES
 
 FLAG = "--trust-remote-code"
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from tlm_io.errors import TrainError
-from tlm_io.load import load_tokenizer, tokenizer_files
+from tlm_io.load import load_tokenizer
+from tlm_io.tokenizer_source import tokenizer_files
 
 from .data import recipe_tokens
 from .recipe import Recipe
