@@ -27,6 +27,7 @@ from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.heal import heal_data, heal_recipe
 from tlm_convert.samples import SELF
 from tlm_io.load import load_model
+from tlm_io.locate import resolve_builtin
 from tlm_io.perplexity import perplexity
 from tlm_train.trainer import train
 
@@ -52,7 +53,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     sources = ("default", args.samples)
     data = heal_data(("default", SELF), Path(args.samples), work / "heal-data.txt")
-    current, stages = args.source, []
+    current, stages = resolve_builtin(args.source), []  # convert() takes a path (the CLI resolves names)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for k in range(1, args.stages + 1):
         ratio = stage_ratio(k, args.stages)

@@ -369,7 +369,7 @@ def test_sigterm_during_tokenize_exits_143(tmp_path, monkeypatch):
 def test_sigterm_while_a_training_run_sets_up_exits_143(tmp_path, monkeypatch):
     import tlm_train.trainer
 
-    _sigterm_when_called(monkeypatch, tlm_train.trainer, "build_model_and_tokenizer")
+    _sigterm_when_called(monkeypatch, tlm_train.trainer, "student_and_tokenizer")
     res = _tlm(["train", _write_recipe(tmp_path, _tiny_recipe(tmp_path)), "--no-progress"])
     assert res.exit_code == 143 and "nothing was trained" in _one_error_line(res), res.output
     assert not (tmp_path / "run").exists()
