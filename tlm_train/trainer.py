@@ -1,7 +1,7 @@
 """``tlm train``: a plain PyTorch training loop for TLMs, on one process or under ``torchrun`` (DDP or FSDP).
 
 One step = ``grad_accum`` micro-batches per process -> gradient clipping -> AdamW -> LR schedule (linear warmup,
-then cosine / linear decay to ``min_lr``, or constant). The loss is the next-token cross entropy, optionally mixed
+then cosine / linear decay to ``min_lr``, constant, or warmup-stable-decay; tlm_train.build.lr_factor). The loss is the next-token cross entropy, optionally mixed
 with a KL term towards a frozen teacher (distillation: tlm_train.losses). Under torchrun the processes split every
 global batch (see tlm_train.data.BatchOrder), DDP averages the gradients, so N processes with batch B follow the
 same trajectory as one process with batch N*B up to floating-point summation order.
@@ -36,7 +36,8 @@ and distils from ``teacher`` (recipe.distill.teacher is not read either). The ca
 (``TrainResult.model``, as every run returns it), so such a run writes no ``final/`` and no checkpoint at its end
 beyond what ``log.save_every`` asks for; a stop (signal, STOP file) still writes one, and ``resume`` works as for
 any run. The module is trained in place: it comes back on the run's device, in eval mode, with its KV-cache setting
-and each parameter's requires_grad as it was given.
+and each parameter's requires_grad as it was given. A teacher passed in is frozen and moved to the run's device
+in place (under bf16 autocast its projections are stored in bf16 when its outputs stay the same).
 """
 
 from __future__ import annotations
