@@ -112,7 +112,8 @@ def convert_run_tables(raw: dict) -> list[dict]:
         rows.append(["**out-of-domain geometric mean**", None, None, "**x" + _f(report["perplexity_ratio_ood_geomean"]) + "**"]
                     + ([None, "**x" + _f(report.get("perplexity_ratio_ood_geomean_healed")) + "**"] if healed else []))
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in report.get("seconds", {}).items() if v)
-    time_row = [[f"{raw['wall_s'] / 60:.0f} min {raw['wall_s'] % 60:.0f} s", _r(raw["peak_rss_mb"] / 1024, 1), phases]]
+    minutes, seconds = divmod(round(raw["wall_s"]), 60)
+    time_row = [[f"{minutes} min {seconds} s", _r(raw["peak_rss_mb"] / 1024, 1), phases]]
     tables = [table("wall time and peak memory", ["wall", "peak RSS GB", "phases"], time_row)]
     if rows:
         tables.insert(0, table("perplexity per set", columns, rows))

@@ -389,7 +389,8 @@ def test_a_token_cache_with_ids_beyond_the_vocabulary_is_refused_before_anything
 def test_a_heal_of_a_trillion_tokens_is_refused_after_its_first_steps(source, tmp_path):
     line = _one_error_line(_convert([source, "-o", tmp_path / "out", *FAST, "--heal-tokens", "1000000000000"]))
     assert line.startswith("error: heal: 3,906,250,000 steps of 256 tokens, about "), line
-    assert re.search(r" h at the rate of its first [3-9] steps", line), line  # refused a few steps in
+    steps = re.search(r" h at the rate of its first (\d+) steps", line)
+    assert steps and 2 <= int(steps.group(1)) < 1000, line  # refused a few steps (about a second) in, not after
     assert "above the --max-hours 24 limit" in line and "lower --heal-tokens" in line, line
     assert not list(tmp_path.iterdir())
 
