@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers, score_whole_model
-from tlm_convert.convert import SAMPLES_FILE, ConvertOptions, plan_widths, resolve_importance
+from tlm_convert.convert import (MEASURED, SAMPLES_FILE, ConvertOptions, measure_widths, plan_widths,
+                                 resolve_importance)
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.samples import calibration_blocks, samples_text
 from tlm_io.export import export_model
@@ -61,6 +62,9 @@ def main() -> None:
                          "source) [the conversion's default]")
     ap.add_argument("--calibration-tokens", type=int, default=ConvertOptions.calibration_tokens)
     ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
+    ap.add_argument("--schedule", default=ConvertOptions.schedule,
+                    help="the conversion's --schedule (measured / measured-taper: widths from the Fisher profile of "
+                         "the calibration blocks, tlm_convert.convert.measure_widths)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--calibration-cache", default=None, help="safetensors file of the calibration blocks")
     ap.add_argument("--save", default=None, help="write the converted model and a report here (for heal_curve.py)")
@@ -69,7 +73,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model, tokenizer, src = load_model(SOURCE)
-    opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens)
+    opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
+                          schedule=args.schedule)
     opts.validate()
     sources = opts.calibration_data
     widths = plan_widths(src.tlm_config, opts)
@@ -98,13 +103,18 @@ def main() -> None:
         if cache_file is not None:
             save_file({"calib": calib, **({} if samples is None else {"samples": samples})}, str(cache_file))
     sample_cpu, sample_wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    if opts.schedule in MEASURED:
+        measured = measure_widths(model, calib, src.tlm_config, opts, settings)
+        widths = measured["widths"]
+        logging.info("measured widths %s (profile %s)", widths, [round(x, 3) for x in measured["profile"]])
     score_whole_model(model, calib, settings)
     convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
-    row = {"name": args.name, "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
+    row = {"name": args.name, "schedule": opts.schedule, "widths": list(widths),
+           "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
            "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "model_scores"}, "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
            "threads": torch.get_num_threads(),

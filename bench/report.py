@@ -210,8 +210,8 @@ def render() -> str:
             body += [f"### {data['title']} (bench/results/{path.name})", ""]
             for t in data["tables"]:
                 body += markdown(t)
-            if data.get("png"):
-                body += [f"![{data['benchmark']}]({Path(data['png']).relative_to('bench').as_posix()})", ""]
+            for png in ([data["png"]] if data.get("png") else []) + data.get("pictures", []):
+                body += [f"![{data['benchmark']}]({Path(png).relative_to('bench').as_posix()})", ""]
             body += [f"*{provenance(data)}*", ""]
             body += [f"{note}" for note in data.get("notes", [])] + ([""] if data.get("notes") else [])
         if body:

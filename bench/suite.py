@@ -220,6 +220,12 @@ def evidence_tables(raw: dict) -> list[dict]:
     return markdown_tables(raw["summary"])
 
 
+def compare_tables(raw: dict) -> list[dict]:
+    reading = table("Plain reading (" + raw["rule"] + ")",
+                    ["mixer", "N+M", "pair", "reading", "mean ± std (nats/token)", "first lower in"], raw["reading"])
+    return [reading, *markdown_tables(raw["summary"])]
+
+
 # ------------------------------------------------------------------------------------------------- registry
 
 
@@ -274,6 +280,10 @@ BENCHMARKS = {b.name: b for b in [
     Benchmark("evidence", "evidence", "Tapered vs uniform vs reverse from scratch; converted vs scratch",
               ["bench/evidence.py", "--workers", "2"], tables=evidence_tables, out_flag=None,
               reads="bench/results/evidence.jsonl"),
+    Benchmark("compare", "evidence", "Converted-then-trained vs trained as it is, and the shapes from scratch",
+              ["bench/compare_study.py", "--jobs", "2"], tables=compare_tables,
+              notes=["The runs are `tlm compare recipes/compare/NAME.yaml --seeds 0-4 --jobs 2` (the studies' "
+                     "headers give the model, data and cost); curves: the `pictures` of the result file."]),
     Benchmark("train-overhead", "other", "Framework overhead of `tlm train` against a bare loop",
               ["bench/train_overhead.py", "--rounds", "6", "--steps", "30"],
               quick=["--rounds", "1", "--steps", "2", "--warmup", "1"], tables=train_overhead_tables,

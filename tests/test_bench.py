@@ -174,3 +174,25 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     (quality / "stray.json").write_text("{}")
     with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
         report.render()
+
+
+def test_the_compare_reading_follows_its_rule():
+    """bench/compare_study.py reads a paired difference as wins / loses / within the noise by the rule it states."""
+    from bench.compare_study import RULE, reading, verdict
+
+    def pair(diffs):
+        mean = sum(diffs) / len(diffs)
+        std = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5 if len(diffs) > 1 else 0.0
+        return {"first": "converted-cpt", "second": "uniform-continued", "seeds": list(range(len(diffs))),
+                "diffs": diffs, "mean": mean, "std": std, "negative": sum(d < 0 for d in diffs),
+                "positive": sum(d > 0 for d in diffs)}
+
+    assert verdict(pair([-0.02, -0.03, -0.025, -0.02, 0.001])) == "wins"  # 4/5 lower, mean beyond one std
+    assert verdict(pair([0.02, 0.03, 0.025, 0.02, 0.021])) == "loses"
+    assert verdict(pair([-0.02, 0.03, -0.025, 0.02, -0.01])) == "within the noise"  # signs disagree
+    assert verdict(pair([-0.001, -0.09, -0.002, -0.001, -0.001])) == "within the noise"  # mean inside its std
+    assert verdict(pair([-0.5])) == "too few seeds"
+    rows = reading([{"mixer": "attention", "split": "90+270", "pairs": [pair([-0.02, -0.03, -0.025, -0.02, 0.001])]}])
+    assert rows == [["attention", "90+270", "converted-cpt − uniform-continued", "wins", "-0.0188 ± 0.0118", "4/5"]]
+    tables = suite.compare_tables({"rule": RULE, "reading": rows, "summary": "### x\n\n| a | b |\n|---|---|\n| 1 | 2 |"})
+    assert [t["columns"][0] for t in tables] == ["mixer", "a"] and tables[0]["rows"] == rows

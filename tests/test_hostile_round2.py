@@ -183,7 +183,7 @@ def test_a_bad_time_limit_is_one_line(source, tmp_path, value):
 
 
 def test_budget_says_a_long_phase_aloud_and_refuses_above_the_limit():
-    from tlm_convert.budget import Budget, Limits
+    from tlm_train.budget import Budget, Limits
     from tlm_io.errors import ConversionError
 
     def run(total, step_seconds, max_hours):
@@ -203,6 +203,58 @@ def test_budget_says_a_long_phase_aloud_and_refuses_above_the_limit():
                                               r"limit; lower --x, or pass --max-hours 0"):
         run(10**6, 0.5, 24)
     assert run(10**6, 0.5, None)[0].estimate == pytest.approx(5e5)  # --max-hours 0: no limit
+
+
+def test_the_ranks_judge_one_estimate():
+    """Under torchrun each rank measures its own rate; ``agree`` (the ranks' maximum) makes a fast rank refuse with
+    the slow one, at the same step."""
+    from tlm_io.errors import TrainError
+    from tlm_train.budget import Budget, Limits
+
+    now, agreed = [0.0], []
+
+    def slowest(estimate):
+        agreed.append(estimate)
+        return estimate * 100  # another rank is 100x slower
+
+    budget = Budget("training", 10**4, "steps", "lower train.max_steps", Limits(24, None, error=TrainError),
+                    min_seconds=0.0, clock=lambda: now[0], agree=slowest)
+    budget.update(1)
+    now[0] += 0.5
+    budget.update(2)
+    assert agreed == []  # one timed step: too few to judge
+    now[0] += 0.5
+    with pytest.raises(TrainError, match=r"training: 10,000 steps, about 139 h .*above the --max-hours 24 limit"):
+        budget.update(3)  # 5,000 s here, 500,000 s on the slowest rank
+    assert agreed == [pytest.approx(5000)]
+
+
+def test_a_short_calibration_text_is_said_aloud(source, tmp_path):
+    """A text shorter than --calibration-tokens is used whole, and a note says so."""
+    args = [a if a != "256" else "1000000" for a in FAST]  # --calibration-tokens 1,000,000
+    res = _convert([source, "-o", tmp_path / "out", *args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    notes = [ln for ln in res.output.splitlines() if ln.startswith("note: calibration: ")]
+    assert len(notes) == 1 and "fewer than the 1,000,000 asked of it; the conversion uses all of them" in notes[0], \
+        res.output
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert report["calibration_tokens"] == 39_616  # the whole text, in blocks of 64
+
+
+def test_endless_training_is_refused_with_its_estimate(tmp_path):
+    """``tlm train`` with train.max_steps 10^12 is refused a second into the run, naming the estimate, the key to
+    lower and --max-hours; no folder is left behind. --max-hours 0 lifts the limit (checked on a short run)."""
+    recipe = _tiny_recipe(tmp_path)
+    recipe["train"]["max_steps"] = 10**12
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress"]))
+    assert line.startswith("error: training: 1,000,000,000,000 steps, about "), line
+    assert "above the --max-hours 720 limit; lower train.max_steps, or pass --max-hours 0" in line, line
+    assert not (tmp_path / "run").exists()
+    line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--max-hours", "nan"]))
+    assert "--max-hours nan: must be 0 (no limit) or a positive number of hours" in line, line
+    recipe["train"]["max_steps"] = 3
+    res = _tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress", "--max-hours", "0"])
+    assert res.exit_code == 0, res.output
 
 
 # ============================================================================ recipes and training folders

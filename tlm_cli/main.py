@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tlm_convert.compare import format_tables, load_compare, run_comparison, select
-from tlm_io.errors import ConversionError
+from tlm_io.errors import ConversionError, TrainError, one_line
 from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import check_positions, check_token_ids, load_model
@@ -23,6 +24,7 @@ from tlm_io.outputs import check_writable_parent
 from tlm_io.perplexity import strided_perplexity
 from tlm_io.text import eval_sources, load_text, token_blocks
 from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
+from tlm_train.budget import TRAIN_MAX_HOURS, Limits
 from tlm_train.prepare import prepare_data
 from tlm_train.recipe import load_recipe
 from tlm_train.trainer import train
@@ -128,6 +130,18 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
 
 
 
+def _train_limits(max_hours: float) -> Limits:
+    """``tlm train``'s time budget: notes on stderr from the main process, a refusal above ``max_hours``."""
+    if not (math.isfinite(max_hours) and max_hours >= 0):
+        raise ConversionError(f"--max-hours {max_hours}: must be 0 (no limit) or a positive number of hours")
+
+    def note(text: str) -> None:
+        if not (dist.is_initialized() and dist.get_rank() != 0):
+            click.echo(f"note: {one_line(text)}", err=True)
+
+    return Limits(max_hours or None, note, error=TrainError)
+
+
 @tlm_main.command("train", cls=OneLineCommand)
 @click.argument("recipe_path", metavar="RECIPE.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -135,9 +149,12 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
 @click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None, metavar="[CHECKPOINT]",
               help="Continue from the latest checkpoint in output_dir (or from the given checkpoint folder).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics.jsonl is written either way).")
+@click.option("--max-hours", type=float, default=TRAIN_MAX_HOURS, show_default=True,
+              help="Refuse a run whose time, estimated on its first steps, is above this many hours (0: no limit). "
+                   "An estimate above a minute is said aloud.")
 @click.option("--trust-remote-code", is_flag=True,
               help="Let tokenizers run their folder's own Python code (auto_map); only for sources you trust.")
-def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code):
+def train_command(recipe_path, overrides, resume, no_progress, max_hours, trust_remote_code):
     """Train a TLM from RECIPE.yaml: from scratch (model:) or continued from a checkpoint (init_from:).
 
     Runs the same under torchrun (DDP, or FSDP with train.parallel=fsdp): torchrun --nproc_per_node N -m
@@ -149,9 +166,10 @@ def train_command(recipe_path, overrides, resume, no_progress, trust_remote_code
     try:
         quiet_libraries()
         overrides = list(overrides) + (["trust_remote_code=true"] if trust_remote_code else [])
+        limits = _train_limits(max_hours)
         recipe = load_recipe(recipe_path, overrides)
         result = train(recipe, resume=True if resume == "latest" else resume,
-                       progress=False if no_progress else None)
+                       progress=False if no_progress else None, limits=limits)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err, stopped="nothing was trained; run the same command again")
     main = not (dist.is_initialized() and dist.get_rank() != 0)

@@ -161,7 +161,7 @@ class LayerSettings:
     reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
     reconstruct_lr: float = 1e-4
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
-    reconstruct_budget: object | None = None  # a tlm_convert.budget.Budget over every reconstruction epoch, or None
+    reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, progress: bool = False) -> None:

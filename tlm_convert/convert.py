@@ -33,10 +33,10 @@ from tlm_io.outputs import (check_free_space, check_output_given, check_output_p
                            output_run, save_errors, staged)
 from tlm_io.perplexity import perplexity
 from tlm_io.sizes import available_memory
+from tlm_train.budget import DEFAULT_MAX_HOURS, Limits
 
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
-from .budget import DEFAULT_MAX_HOURS, Limits
 from .evalsets import eval_set_blocks, perplexity_entries
 from .fisher import fisher_scores, top_share_profile
 from .heal import check_heal, heal
@@ -89,7 +89,7 @@ class ConvertOptions:
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
     max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
-    # refused seconds into it (tlm_convert.budget); 0: no limit
+    # refused seconds into it (tlm_train.budget); 0: no limit
 
     def layer_settings(self) -> LayerSettings:
         """What the layer loop (calibrate.convert_layers) takes from these options."""
@@ -196,7 +196,7 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
     the whole run (a second run into it is refused); folders left by killed runs are cleaned, and a failed run
     removes the parents of OUTPUT it created (tlm_io.outputs.output_run). ``on_note(text)``: what is said aloud
-    before a long phase (its estimated time, tlm_convert.budget).
+    before a long phase (its estimated time, tlm_train.budget).
     """
     opts = options or ConvertOptions()
     opts.validate()

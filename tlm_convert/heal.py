@@ -137,7 +137,7 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
     ``report["heal"]`` and, with evaluation sets, each set's perplexity after healing. Stopped (a
     KeyboardInterrupt) when the run was stopped (SIGINT, SIGTERM or a STOP file): OUTPUT is then left as it was.
     ``samples``: the text of the ``self`` calibration source, when it is one; ``tokenizer``: the source's (read from
-    ``src`` when None). ``limits``: a tlm_convert.budget.Limits: the heal's time, measured on its first steps, is
+    ``src`` when None). ``limits``: a tlm_train.budget.Limits: the heal's time, measured on its first steps, is
     said aloud when long and refused above the limit (before the rest of the steps run)."""
     work = tmp / WORK_DIR
     with timer("heal"):

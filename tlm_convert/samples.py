@@ -41,7 +41,7 @@ def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_s
                   progress: bool = False, budget=None) -> torch.Tensor:
     """(n, seq_len) token ids sampled from ``model`` (a causal LM with ``generate``), ``batch_size`` samples at a
     time; ``progress``: a bar over the sampled tokens on stderr, advanced at every generation step. ``budget``: a
-    tlm_convert.budget.Budget over the n * seq_len tokens, told at every generation step (it may refuse the rest)."""
+    tlm_train.budget.Budget over the n * seq_len tokens, told at every generation step (it may refuse the rest)."""
     start = start_token(tokenizer)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or (1 << 62)
     if start >= vocab:
@@ -90,8 +90,8 @@ def calibration_blocks(tokenizer, sources: tuple[str, ...], seq_len: int, tokens
                        progress: bool = False, limits=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The calibration blocks of ``sources`` in order, each source an equal share of ``tokens`` (text sources as
     data.token_blocks takes them, evenly spread; ``self`` sampled from ``model``), and the sampled blocks alone
-    (None without ``self``): (n, seq_len), (m, seq_len). ``limits``: a tlm_convert.budget.Limits for the sampling's
-    time (said aloud when long, refused above the limit)."""
+    (None without ``self``): (n, seq_len), (m, seq_len). ``limits``: a tlm_train.budget.Limits for the sampling's
+    time (said aloud when long, refused above the limit); a text shorter than its share is said aloud through it."""
     share = tokens // len(sources)
     if share < seq_len:
         raise ConversionError(f"--calibration-tokens {tokens} gives each of the {len(sources)} calibration sources "
@@ -107,7 +107,17 @@ def calibration_blocks(tokenizer, sources: tuple[str, ...], seq_len: int, tokens
             parts.append(samples)
         else:
             parts.append(token_blocks(tokenizer, load_text(source), seq_len, share))
+            _say_short(parts[-1], share, seq_len, source, limits)
     return torch.cat(parts), samples
+
+
+def _say_short(blocks: torch.Tensor, share: int, seq_len: int, source: str, limits) -> None:
+    """A note (``limits.on_note``) when a text source gave fewer whole blocks than its share asked for."""
+    asked = share // seq_len
+    if blocks.shape[0] < asked and limits is not None and limits.on_note is not None:
+        limits.on_note(f"calibration: {source} has {blocks.numel():,} tokens ({blocks.shape[0]:,} blocks of "
+                       f"{seq_len}), fewer than the {asked * seq_len:,} asked of it; the conversion uses all of them "
+                       "(add text, or lower --calibration-tokens to silence this)")
 
 
 def samples_text(tokenizer, samples: torch.Tensor) -> str:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -89,10 +90,15 @@ def check_own_files(out: Path) -> None:
                                   "or choose a new folder for output_dir")
 
 
-def discard_new_folder(out: Path) -> None:
+def discard_new_folder(out: Path, refused: bool = False) -> None:
     """After a failed start: ``out``, when it holds nothing but the run's marker, is removed (a refused run leaves
-    nothing behind). The caller asks only for a folder its run created, on rank 0."""
+    nothing behind). The caller asks only for a folder its run created, on rank 0. ``refused``: the run was refused
+    by its time budget a few steps in; what it wrote there (the names a run writes, never a link) goes first."""
     try:
+        if refused:
+            for path in out.iterdir():
+                if re.fullmatch(_OWNED, path.name) and not path.is_symlink():
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
         if set(os.listdir(out)) <= {RUN_MARKER}:
             (out / RUN_MARKER).unlink(missing_ok=True)
             out.rmdir()

@@ -40,6 +40,13 @@ class Dist:
         dist.all_reduce(t)
         return float(t) / self.world
 
+    def all_max(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
     def all_sum(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (fp64)."""
         if self.world == 1:

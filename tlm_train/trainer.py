@@ -55,11 +55,12 @@ import torch
 
 from tlm import TLMForCausalLM
 from tlm.slow import SlowLevels
-from tlm_io.errors import ConversionError, TrainError
+from tlm_io.errors import ConversionError, TLMError, TrainError
 from tlm_io.load import check_positions, check_token_ids
 from tlm_io.perplexity import nll_sum
 from tlm_io.text import to_blocks
 
+from .budget import Budget, Limits
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, load_pretrained, lr_factor,
                     make_optimizer, prepare_student, restore_student, schedule_factor, select_trainable,
                     student_and_tokenizer, wsd_decay_start)
@@ -137,7 +138,8 @@ class _Run:
         try:
             self.show_progress = recipe.log.progress if progress is None else progress
             self.stop_requested = False
-            self.on_step = None
+            self.on_step = self.limits = None
+            self.refused = False  # by the time budget
             self.resume_from = resume_path(self.out, resume)
         except BaseException:
             self.release()
@@ -145,9 +147,10 @@ class _Run:
             raise
 
     def discard_new_folder(self) -> None:
-        """After a failed start: output_dir, when this run created it and it holds only the run's marker."""
+        """After a failed start: output_dir, when this run created it and it holds only the run's marker (or what
+        the run wrote before its time budget refused it)."""
         if self.created and self.d.main:
-            discard_new_folder(self.out)
+            discard_new_folder(self.out, refused=self.refused)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -299,12 +302,23 @@ class _Run:
                           "bf16" if self.bf16 else "fp32", result.seconds)
         return result
 
+    def _budget(self) -> Budget | None:
+        """The run's time budget (tlm_train.budget) over the steps left, or None without ``limits``. Under torchrun
+        every rank judges at the same step (no minimum of seconds) the slowest rank's estimate."""
+        if self.limits is None:
+            return None
+        left = self.recipe.train.max_steps - self.step
+        many = self.d.world > 1
+        return self.limits.budget("training", left, "steps", "lower train.max_steps",
+                                  min_seconds=0.0 if many else 1.0, agree=self.d.all_max if many else None)
+
     def _steps(self, bar) -> tuple[list[float], bool]:
         """Steps up to train.max_steps, logging, evaluating and checkpointing as the recipe says; (each step's loss,
         whether a signal or the STOP file ended the run first)."""
         r, d = self.recipe, self.d
         losses = []
         window_tokens, window_start = 0, time.perf_counter()
+        first, budget = self.step, self._budget()
         while self.step < r.train.max_steps:
             if d.any(bool(self.stop_requested) or (self.out / STOP_FILE).exists()):
                 return losses, True
@@ -312,6 +326,12 @@ class _Run:
             loss = self.train_step()
             if self.on_step is not None:
                 self.on_step(self.step)
+            if budget is not None:
+                try:
+                    budget.update(self.step - first)
+                except TLMError:
+                    self.refused = True
+                    raise
             if not math.isfinite(loss):
                 raise TrainError(f"the training loss is {loss} at step {self.step}; lower optim.lr or enable "
                                  "optim.grad_clip (the last checkpoint is kept)")
@@ -335,7 +355,8 @@ class _Run:
 
 
 def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCausalLM | None = None, *,
-          tokenizer=None, resume: bool | str | None = None, progress: bool | None = None, on_step=None) -> TrainResult:
+          tokenizer=None, resume: bool | str | None = None, progress: bool | None = None, on_step=None,
+          limits: Limits | None = None) -> TrainResult:
     """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
     checkpoint path). Works the same under torchrun (one call per process).
 
@@ -343,12 +364,13 @@ def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCa
     ``final/`` is written; ``tokenizer`` reads the data, else the recipe's: tokenizer:, or init_from's tokenizer
     files); ``teacher``: the distillation teacher in memory instead of recipe.distill.teacher (see the module
     doc). ``on_step(step)``: called after every optimizer step (a time budget; an exception it raises ends the
-    run, no checkpoint written)."""
+    run, no checkpoint written). ``limits``: a tlm_train.budget.Limits: the run's time, measured on its first steps,
+    is said aloud through ``limits.on_note`` and refused above ``limits.max_hours`` (``limits.error``)."""
     threads = torch.get_num_threads()
     run, ok = None, False
     try:
         run = _Run(recipe, resume, progress, {"model": model, "teacher": teacher, "tokenizer": tokenizer})
-        run.on_step = on_step
+        run.on_step, run.limits = on_step, limits
         run.setup()
         result = run.run()
         ok = True
