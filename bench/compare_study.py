@@ -1,6 +1,6 @@
 """Does converting pay off at CPU scale? The studies of recipes/compare/ run (or collected) and read (issue 24).
 
-    python bench/compare_study.py --out FILE [--studies cpu-attention,cpu-titans,cpu-shapes] [--seeds 0-4] [--jobs 2]
+    python bench/compare_study.py --out FILE [--studies cpu-attention,cpu-titans,cpu-shapes,cpu-measured] [--seeds 0-4] [--jobs 2]
 
 For each study file ``recipes/compare/NAME.yaml`` this is ``tlm compare recipes/compare/NAME.yaml --seeds S --jobs
 J`` (tlm_convert.compare.run_comparison: finished runs are collected, not rerun, so an interrupted benchmark
@@ -10,7 +10,7 @@ continues where it stopped), then its compare.md tables go into one result file 
   mean paired difference is below zero by more than the difference's standard deviation over seeds and at least
   all but one seed agree in sign; **loses** by the same rule reversed; otherwise it is **within the noise**;
 - every run's held-out loss and wall seconds (``runs``), and the curves drawn by tlm compare, copied to
-  ``--png-dir`` as ``compare_<mixer>_<split>.png``.
+  ``--png-dir`` as ``<study>_<mixer>_<split>.png`` (e.g. cpu_attention_attention_90_270.png).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from tlm_convert.compare import load_compare, run_comparison, select  # noqa: E402
 
-STUDIES = ("cpu-attention", "cpu-titans", "cpu-shapes")
+STUDIES = ("cpu-attention", "cpu-titans", "cpu-shapes", "cpu-measured")
 RULE = ("wins: mean paired difference < 0 by more than its std over seeds, and at least n-1 of n seeds lower; "
         "loses: the same reversed; else within the noise")
 
@@ -44,9 +44,10 @@ def verdict(pair: dict) -> str:
     return "within the noise"
 
 
-def reading(studies: list[dict]) -> list[list]:
-    """One row per mixer, split and pair: [mixer, split, pair, verdict, mean ± std, seeds where the first is lower]."""
-    return [[study["mixer"], study["split"], f"{p['first']} − {p['second']}", verdict(p),
+def reading(name: str, studies: list[dict]) -> list[list]:
+    """One row per mixer, split and pair of study ``name``: [name, mixer, split, pair, verdict, mean ± std, seeds
+    where the first is lower]."""
+    return [[name, study["mixer"], study["split"], f"{p['first']} − {p['second']}", verdict(p),
              f"{p['mean']:+.4f} ± {p['std']:.4f}", f"{p['negative']}/{len(p['seeds'])}"]
             for study in studies for p in study["pairs"] if p["seeds"]]
 
@@ -60,14 +61,14 @@ def run_study(name: str, seeds: str | None, jobs: int, png_dir: Path) -> dict:
     for study in studies:
         src = out / f"curves-{spec.report}-{study['mixer']}-{study['split']}.png"
         if src.exists():
-            dest = png_dir / f"compare_{study['mixer']}_{spec.report}_{study['split'].replace('+', '_')}.png"
+            dest = png_dir / f"{name.replace('-', '_')}_{study['mixer']}_{study['split'].replace('+', '_')}.png"
             shutil.copyfile(src, dest)
             pngs.append(dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest))
     runs = json.loads((out / f"{spec.report}.json").read_text())["runs"]
     return {"study": name, "command": f"tlm compare recipes/compare/{name}.yaml --seeds {seeds or 'the file'} "
                                       f"--jobs {jobs}",
             "collect_seconds": round(time.perf_counter() - start, 1),
-            "markdown": (out / f"{spec.report}.md").read_text(), "reading": reading(studies), "studies": studies,
+            "markdown": (out / f"{spec.report}.md").read_text(), "reading": reading(name, studies), "studies": studies,
             "runs": [{k: r[k] for k in ("mixer", "seed", "split", "arm", "eval_loss", "params", "tokens", "seconds")}
                      for r in runs], "pictures": pngs}
 

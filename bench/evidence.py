@@ -1,10 +1,10 @@
 """Evidence benchmark: does the cosine taper help at CPU scale, for each mixer?
 
 Cosine 1.5/0.5 vs uniform vs reverse 0.5/1.5, trained from scratch at exactly equal parameter counts, for each of
-the mixers and 3 seeds. The converted-vs-scratch study is ``tlm compare recipes/compare/cpu-attention.yaml`` (and
-cpu-titans.yaml, cpu-shapes.yaml: seeds, splits, paired tables); the 3-seed compare records of an earlier version
-(a two-phase learning-rate schedule: the M steps restarted their warmup and cosine) stay in evidence.jsonl and in
-the summary.
+the mixers and 3 seeds. The converted-vs-scratch study is ``python -m bench compare`` (``tlm compare
+recipes/compare/*.yaml``: seeds, splits, paired tables); the 3-seed compare records of an earlier version (a
+two-phase learning-rate schedule: the M steps restarted their warmup and cosine) stay in evidence.jsonl, out of
+the summary (superseded).
 
 Every run is ``tlm_train.train`` on a recipe built below (bytes as tokens, the bundled English text, held-out
 ``default-eval``); results are appended to bench/results/evidence.jsonl one line per run, and runs already there are
@@ -165,19 +165,6 @@ def summary() -> str:
             cos = [by["cosine", s] - by["uniform", s] for s in seeds]
             rev = [by["reverse", s] - by["uniform", s] for s in seeds]
             lines.append(f"| {mixer} | {_mean_std(cos)} | {_mean_std(rev)} | {sum(c < 0 for c in cos)}/{len(seeds)} |")
-    compare = [r for r in rows if r["part"] == "compare"]
-    if compare:
-        lines += ["", "| run | eval loss, mean ± std | tokens | params | wall s (mean; c, d include the shared "
-                  "N-step run and c the conversion) |", "|---|---|---|---|---|"]  # earlier records (two-phase LR)
-        scratch_s = {(r["schedule"], r["seed"]): r["seconds"] for r in rows
-                     if r["part"] == "scratch" and r["mixer"] == "attention"}
-        reused = {"uniform-scratch": "uniform", "tapered-scratch": "cosine"}  # collected from the scratch part
-        for name in [row["run"] for row in compare[0]["rows"]]:
-            got = [(r["seed"], row) for r in compare for row in r["rows"] if row["run"] == name]
-            secs = [scratch_s.get((reused[name], seed)) if name in reused else row["seconds"] for seed, row in got]
-            secs = [x for x in secs if x]
-            lines.append(f"| {name} | {_mean_std([row['eval_loss'] for _, row in got])} | {got[0][1]['tokens']:,} | "
-                         f"{got[0][1]['params']:,} | {statistics.mean(secs) if secs else float('nan'):.0f} |")
     return "\n".join(lines)
 
 

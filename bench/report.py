@@ -210,8 +210,10 @@ def render() -> str:
             body += [f"### {data['title']} (bench/results/{path.name})", ""]
             for t in data["tables"]:
                 body += markdown(t)
-            for png in ([data["png"]] if data.get("png") else []) + data.get("pictures", []):
-                body += [f"![{data['benchmark']}]({Path(png).relative_to('bench').as_posix()})", ""]
+            pngs = ([data["png"]] if data.get("png") else []) + data.get("pictures", [])
+            if pngs:  # one line: side by side where they fit
+                body += [" ".join(f"![{data['benchmark']}]({Path(png).relative_to('bench').as_posix()})"
+                                  for png in pngs), ""]
             body += [f"*{provenance(data)}*", ""]
             body += [f"{note}" for note in data.get("notes", [])] + ([""] if data.get("notes") else [])
         if body:

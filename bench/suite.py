@@ -221,9 +221,19 @@ def evidence_tables(raw: dict) -> list[dict]:
 
 
 def compare_tables(raw: dict) -> list[dict]:
+    """The plain reading of every pair, then each arm's held-out loss (mean ± std over seeds); the per-seed tables
+    are the result file's ``summary``."""
     reading = table("Plain reading (" + raw["rule"] + ")",
-                    ["mixer", "N+M", "pair", "reading", "mean ± std (nats/token)", "first lower in"], raw["reading"])
-    return [reading, *markdown_tables(raw["summary"])]
+                    ["study", "mixer", "N+M", "pair", "reading", "mean ± std (nats/token)", "first lower in"],
+                    raw["reading"])
+    rows = [[r["study"], s["mixer"], s["split"],
+             "; ".join(f"{arm} {a['mean']:.3f} ± {a['std']:.3f}" for arm, a in s["arms"].items()),
+             "; ".join(f"{a['n']}" for a in s["arms"].values()),
+             "; ".join("n/a" if a["seconds"] is None else f"{a['seconds']:.0f}" for a in s["arms"].values())]
+            for r in raw["studies"] for s in r["studies"]]
+    arms = table("Held-out loss of every arm, mean ± std over seeds (per seed: the result file's summary)",
+                 ["study", "mixer", "N+M", "arms", "seeds", "wall s a run, mean (N-step run included)"], rows)
+    return [reading, arms]
 
 
 # ------------------------------------------------------------------------------------------------- registry
