@@ -38,6 +38,7 @@ from tlm_io.errors import ConversionError, RecipeError, Stopped, TrainError
 from tlm_io.load import load_model, load_tokenizer, materialize
 from tlm_io.perplexity import perplexity
 from tlm_io.text import load_text
+from tlm_train.budget import Phase
 from tlm_train.recipe import recipe_from_dict
 from tlm_train.trainer import train
 
@@ -146,13 +147,12 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
                              opts.seq_len, opts.seed, opts.device, opts.trust_remote_code,
                              progress=timer.on_phase is not None, cache_dir=str(work / "tokens"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        budget = None if limits is None else limits.budget(
-            "heal", recipe.train.max_steps, f"steps of {tokens_per_step(opts.seq_len):,} tokens", "lower --heal-tokens")
         try:
             source, _, _ = load_model(teacher, with_tokenizer=False, trust_remote_code=opts.trust_remote_code)
             tokenizer = load_tokenizer(src) if tokenizer is None else tokenizer
-            result = train(recipe, fp32_student(model), source, tokenizer=tokenizer,
-                           on_step=None if budget is None else budget.update)
+            result = train(recipe, fp32_student(model), source, tokenizer=tokenizer, limits=limits,
+                           phase=Phase("heal", f"steps of {tokens_per_step(opts.seq_len):,} tokens",
+                                       "lower --heal-tokens"))
         except (ConversionError, TrainError, RecipeError) as err:
             message = str(err)  # the heal's time budget names itself already
             raise ConversionError(message if message.startswith("heal:") else f"heal: {message}") from None

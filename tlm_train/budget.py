@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tlm_io.errors import ConversionError
 
@@ -33,6 +34,18 @@ def human_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:,.0f} h" if seconds >= 36000 else f"{seconds / 3600:.1f} h"
+
+
+class Phase(NamedTuple):
+    """How a budget names its phase: what it is, its unit and what to lower ("heal", "steps of 2,048 tokens",
+    "lower --heal-tokens")."""
+
+    what: str
+    unit: str
+    fix: str
+
+
+TRAINING = Phase("training", "steps", "lower train.max_steps")  # tlm train's own wording
 
 
 @dataclass
@@ -95,4 +108,4 @@ class Budget:
             self.limits.on_note(said)
 
 
-__all__ = ["Budget", "Limits", "DEFAULT_MAX_HOURS", "TRAIN_MAX_HOURS", "NOTE_SECONDS", "human_duration"]
+__all__ = ["Budget", "Limits", "Phase", "TRAINING", "DEFAULT_MAX_HOURS", "TRAIN_MAX_HOURS", "NOTE_SECONDS", "human_duration"]

@@ -60,7 +60,7 @@ from tlm_io.load import check_positions, check_token_ids
 from tlm_io.perplexity import nll_sum
 from tlm_io.text import to_blocks
 
-from .budget import Budget, Limits
+from .budget import TRAINING, Budget, Limits, Phase
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, load_pretrained, lr_factor,
                     make_optimizer, prepare_student, restore_student, schedule_factor, select_trainable,
                     student_and_tokenizer, wsd_decay_start)
@@ -138,7 +138,7 @@ class _Run:
         try:
             self.show_progress = recipe.log.progress if progress is None else progress
             self.stop_requested = False
-            self.on_step = self.limits = None
+            self.limits, self.phase = None, TRAINING
             self.refused = False  # by the time budget
             self.resume_from = resume_path(self.out, resume)
         except BaseException:
@@ -309,7 +309,7 @@ class _Run:
             return None
         left = self.recipe.train.max_steps - self.step
         many = self.d.world > 1
-        return self.limits.budget("training", left, "steps", "lower train.max_steps",
+        return self.limits.budget(self.phase.what, left, self.phase.unit, self.phase.fix,
                                   min_seconds=0.0 if many else 1.0, agree=self.d.all_max if many else None)
 
     def _steps(self, bar) -> tuple[list[float], bool]:
@@ -324,8 +324,6 @@ class _Run:
                 return losses, True
             lr = self.scheduler.get_last_lr()[0]
             loss = self.train_step()
-            if self.on_step is not None:
-                self.on_step(self.step)
             if budget is not None:
                 try:
                     budget.update(self.step - first)
@@ -355,22 +353,22 @@ class _Run:
 
 
 def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCausalLM | None = None, *,
-          tokenizer=None, resume: bool | str | None = None, progress: bool | None = None, on_step=None,
-          limits: Limits | None = None) -> TrainResult:
+          tokenizer=None, resume: bool | str | None = None, progress: bool | None = None,
+          limits: Limits | None = None, phase: Phase = TRAINING) -> TrainResult:
     """Run ``recipe`` (from scratch, from ``init_from``, or resumed: ``resume=True`` for the latest checkpoint or a
     checkpoint path). Works the same under torchrun (one call per process).
 
     ``model``: the student, a TLMForCausalLM already in memory, trained in place and returned in the result (no
     ``final/`` is written; ``tokenizer`` reads the data, else the recipe's: tokenizer:, or init_from's tokenizer
     files); ``teacher``: the distillation teacher in memory instead of recipe.distill.teacher (see the module
-    doc). ``on_step(step)``: called after every optimizer step (a time budget; an exception it raises ends the
-    run, no checkpoint written). ``limits``: a tlm_train.budget.Limits: the run's time, measured on its first steps,
-    is said aloud through ``limits.on_note`` and refused above ``limits.max_hours`` (``limits.error``)."""
+    doc). ``limits``: a tlm_train.budget.Limits: the run's time, measured on its first steps, is said aloud
+    through ``limits.on_note`` and refused above ``limits.max_hours`` (``limits.error``; no checkpoint is kept),
+    in the words of ``phase`` (default: "training: N steps ...; lower train.max_steps")."""
     threads = torch.get_num_threads()
     run, ok = None, False
     try:
         run = _Run(recipe, resume, progress, {"model": model, "teacher": teacher, "tokenizer": tokenizer})
-        run.on_step, run.limits = on_step, limits
+        run.limits, run.phase = limits, phase
         run.setup()
         result = run.run()
         ok = True
