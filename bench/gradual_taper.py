@@ -6,10 +6,12 @@ the one-shot conversion), calibrated on the current model, then heals it for N/K
 *original* source with the heal recipe of ``tlm-convert --heal-tokens``. Every stage calibrates on the same text:
 the bundled mix and the source's own samples of a default conversion (its calibration_samples.txt), equal shares,
 as the default conversion does. The final model is evaluated as bench/quality_ablation.py evaluates (first 16,384
-tokens of every bundled set, disjoint 512-token windows) against the source's cached perplexities.
+tokens of every bundled set, disjoint 512-token windows) against the source's cached perplexities, and written
+as a heal curve of one point (bench/heal_curve.py's keys), which ``python -m bench report`` shows beside the
+one-shot conversions' curves.
 
     python bench/gradual_taper.py --samples runs/q/obs_default/calibration_samples.txt --stages 3 \\
-        --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/quality/gradual3_24k.json
+        --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/quality/heal_gradual3.json
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ RESULTS = Path(__file__).parent / "results" / "quality"
 
 def stage_ratio(k: int, stages: int) -> str:
     step = 0.5 * k / stages
-    return f"{1 + step:g}/{1 - step:g}"
+    return f"{1 + step!r}/{1 - step!r}"  # full precision: the two must sum to 2
 
 
 def main() -> None:
@@ -72,17 +74,29 @@ def main() -> None:
     evalb = eval_set_blocks(tokenizer, "all-eval", 512, 16384)
     before = json.loads((RESULTS / "source.json").read_text())
     after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}
-    entries = perplexity_entries(before, after, ("default", SELF))
-    result = {"name": Path(args.out).stem, "stages": stages, "importance": args.importance,
-              "heal_tokens": sum(s["heal_tokens"] for s in stages), "threads": torch.get_num_threads(),
-              "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
-                                   "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},
-              "ood_geomean": entries.get("perplexity_ratio_ood_geomean"),
-              "cpu_s": round(time.process_time() - cpu0, 1), "wall_s": round(time.perf_counter() - wall0, 1)}
+    seconds = time.process_time() - cpu0, time.perf_counter() - wall0
+    result = curve(args, before, after, stages, *seconds)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in result["sets"].items())
-    print(f"{result['name']}: ood_geomean={result['ood_geomean']:.4f} {ratios}")
+    point = result["points"][-1]
+    print(f"{result['label']}: ood_geomean={point['ood_geomean']:.4f} "
+          + " ".join(f"{k}={v:.3f}" for k, v in point["ratio"].items()))
 
+
+def curve(args, before: dict, after: dict, stages: list[dict], cpu_s: float, wall_s: float) -> dict:
+    """The run as a heal curve of one point (bench/heal_curve.py's keys, read by ``python -m bench report`` beside
+    the one-shot conversions' curves): its seconds are the whole run's, the K conversions included."""
+    entries = perplexity_entries(before, after, ("default", SELF))["perplexity_sets"]
+    in_domain = {s["data"]: s["in_domain"] for s in entries}
+    ood = [s["ratio"] for s in entries if not s["in_domain"]]
+    point = {"tokens": sum(s["heal_tokens"] for s in stages), "wall_seconds": round(wall_s, 1),
+             "cpu_seconds": round(cpu_s, 1), "perplexity": after, "ratio": {s["data"]: s["ratio"] for s in entries},
+             "ood_geomean": math.exp(sum(math.log(r) for r in ood) / len(ood)), "stages": stages}
+    return {"converted": args.source, "label": f"gradual taper, {args.stages} stages ({args.importance})",
+            "teacher": args.source, "importance": args.importance, "eval_tokens": 16384, "seq_len": 512,
+            "threads": torch.get_num_threads(), "in_domain": [k for k, v in in_domain.items() if v],
+            "source_perplexity": before, "work": args.work, "points": [point],
+            "notes": ["Wall and CPU seconds of the whole run: its conversions and heals (the one-shot curves count "
+                      "the heal's training alone)."]}
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """Plot heal curves: the out-of-domain geometric mean of the perplexity ratio against heal tokens.
 
 Reads bench/heal_curve.py outputs (one JSON object, or JSON lines with --append: one run per line) and draws one
-line per run (its points in token order), labelled by its student folder's name and its recipe overrides:
+line per run (its points in token order), labelled by its ``label`` or else its student folder's name and its recipe
+overrides:
 
     python bench/plot_heal_curve.py bench/results/heal_curve_mix_lr1e-4_b4.json \\
         bench/results/heal_self_400k_cos3e-4.jsonl --out bench/results/heal_curves.png
@@ -24,6 +25,8 @@ def runs(path: Path) -> list[dict]:
 
 
 def label(run: dict) -> str:
+    if run.get("label"):
+        return run["label"]
     settings = [o.split(".", 1)[1] for o in run.get("overrides", []) if "." in o]
     return f"{Path(run['converted']).name}: {', '.join(settings) or 'the heal defaults of its day'}"
 
@@ -49,7 +52,7 @@ def main() -> None:
     ax.set_xscale("log")
     ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
     ax.set_ylabel("perplexity / source's, OOD geometric mean")
-    ax.set_title("SmolLM2-135M cosine 1.5/0.5: healing by distillation, 2-core CPU")
+    ax.set_title("SmolLM2-135M 1.5/0.5: healing by distillation, 2-core CPU")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

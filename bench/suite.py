@@ -304,8 +304,8 @@ BENCHMARKS = {b.name: b for b in [
               ["bench/heal_step.py", "--sweep", "--rss-steps", "2"], quick=["--sweep", "--quick", "--threads", "1"],
               tables=heal_step_tables),
     Benchmark("gemma3", "quality", "Gemma 3 270M: the second family, converted and healed",
-              ["bench/convert_run.py", "--", "gemma3-270m", "--eval-data", "all-eval", "--eval-tokens", "4096",
-               "--heal-tokens", "24576"], tables=convert_run_tables),
+              ["bench/convert_run.py", "--", "gemma3-270m", "--eval-data", "all-eval", "--heal-tokens", "24576"],
+              tables=convert_run_tables),
     Benchmark("gpu", "other", "GPU readiness: tokens/s, MFU, peak memory of the 435M recipes",
               ["bench/gpu_check.py"], quick=["--dry"], tables=gpu_tables),
 ]}
