@@ -10,6 +10,7 @@ from conftest import make_model
 from tlm_convert.compensate import obs_prune
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert import convert as convert_module
+from tlm_convert import fisher
 from tlm_convert.fisher import fisher_scores, top_share_profile
 from tlm import measured_widths, taper_widths
 from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
@@ -73,6 +74,19 @@ def test_fisher_scores_are_deterministic_and_batching_only_changes_the_draw():
     other = fisher_scores(model, blocks, seed=4)
     assert any(not torch.equal(a, b) for a, b in zip(first, other))
     assert all(p.grad is None for p in model.parameters())  # no parameter gradients were formed
+
+
+def test_the_backward_batch_follows_the_memory_budget(monkeypatch):
+    model = make_model(seed=1).double().eval()
+    blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
+    per_row = fisher.backward_bytes_per_row(model, 12)
+    assert per_row > 12 * 4 * 4 * model.config.vocab_size  # the logits and the layers' activations
+    one_at_a_time = fisher_scores(model, blocks, seed=5, batch_size=1)
+    monkeypatch.setattr(fisher, "BACKWARD_BUDGET", 2 * per_row - 1)  # room for one sequence, not two
+    budgeted = fisher_scores(model, blocks, seed=5, batch_size=8)
+    assert all(torch.equal(a, b) for a, b in zip(one_at_a_time, budgeted))
+    monkeypatch.setattr(fisher, "BACKWARD_BUDGET", 8 * per_row)
+    assert any(not torch.equal(a, b) for a, b in zip(one_at_a_time, fisher_scores(model, blocks, seed=5)))
 
 
 def test_neuron_scores_take_the_whole_model_scores():

@@ -18,7 +18,9 @@ estimates the sum of the per-position Fisher diagonals without one backward pass
 The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
 layer loop (no parameter gradients are formed: the embeddings' output is the only leaf that requires grad). The
 layer loop then keeps each shrinking layer's top-scored neurons and refits its down projection as for any score
-(calibrate.convert_layers); growing layers keep every neuron. It needs the whole model in memory.
+(calibrate.convert_layers); growing layers keep every neuron. It needs the whole model in memory, and runs as many
+sequences per backward pass as fit ``BACKWARD_BUDGET`` (one at a time for SmolLM2-135M and Gemma 3 270M at 512
+tokens: at eight, the logits and saved activations took SmolLM2's conversion to 9.4 GB).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-LOGITS_BUDGET = 1 << 30  # bytes of fp32 logits a backward batch may form (rows per batch follow from it)
+BACKWARD_BUDGET = 1 << 30  # bytes a backward batch may hold: its logits and the activations autograd keeps
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8,
@@ -39,8 +41,7 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     the calibration ``blocks`` (n, S). Deterministic for a seed; the model's parameters and the global random state
     are left as they were."""
     layers = model.model.layers
-    seq_len, vocab = blocks.shape[1], model.config.vocab_size
-    rows = max(1, min(batch_size, LOGITS_BUDGET // (4 * seq_len * vocab)))
+    rows = max(1, min(batch_size, BACKWARD_BUDGET // backward_bytes_per_row(model, blocks.shape[1])))
     scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -61,6 +62,18 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
         for p in frozen:
             p.requires_grad_(True)
     return scores
+
+
+def backward_bytes_per_row(model, seq_len: int) -> int:
+    """Estimated bytes one sequence of ``seq_len`` tokens holds at the peak of the pre-pass's backward: its fp32
+    logits four times over (the logits, the sampling softmax, cross-entropy's log-softmax, their gradient) and, per
+    layer, the activations autograd saves (about 8 hidden-size and 5 MLP-width vectors a token in the model's dtype).
+    SmolLM2-135M at 512 tokens: about 1.2 GB a sequence, so a batch of 8 peaked at 9.4 GB."""
+    config = model.config
+    width = max(config.intermediate_sizes)
+    item = next(model.parameters()).element_size()
+    per_token = 4 * 4 * config.vocab_size + item * config.num_hidden_layers * (8 * config.hidden_size + 5 * width)
+    return seq_len * per_token
 
 
 def _needs_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
@@ -106,4 +119,4 @@ def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[fl
     return [float(c) for c in torch.bincount(layer[top], minlength=len(scores))]
 
 
-__all__ = ["fisher_scores", "top_share_profile", "LOGITS_BUDGET"]
+__all__ = ["BACKWARD_BUDGET", "backward_bytes_per_row", "fisher_scores", "top_share_profile"]
