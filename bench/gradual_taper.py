@@ -85,15 +85,14 @@ def main() -> None:
 def curve(args, before: dict, after: dict, stages: list[dict], cpu_s: float, wall_s: float) -> dict:
     """The run as a heal curve of one point (bench/heal_curve.py's keys, read by ``python -m bench report`` beside
     the one-shot conversions' curves): its seconds are the whole run's, the K conversions included."""
-    entries = perplexity_entries(before, after, ("default", SELF))["perplexity_sets"]
-    in_domain = {s["data"]: s["in_domain"] for s in entries}
-    ood = [s["ratio"] for s in entries if not s["in_domain"]]
+    entries = perplexity_entries(before, after, ("default", SELF))
+    sets = entries["perplexity_sets"]
     point = {"tokens": sum(s["heal_tokens"] for s in stages), "wall_seconds": round(wall_s, 1),
-             "cpu_seconds": round(cpu_s, 1), "perplexity": after, "ratio": {s["data"]: s["ratio"] for s in entries},
-             "ood_geomean": math.exp(sum(math.log(r) for r in ood) / len(ood)), "stages": stages}
+             "cpu_seconds": round(cpu_s, 1), "perplexity": after, "ratio": {s["data"]: s["ratio"] for s in sets},
+             "ood_geomean": entries["perplexity_ratio_ood_geomean"], "stages": stages}
     return {"converted": args.source, "label": f"gradual taper, {args.stages} stages ({args.importance})",
             "teacher": args.source, "importance": args.importance, "eval_tokens": 16384, "seq_len": 512,
-            "threads": torch.get_num_threads(), "in_domain": [k for k, v in in_domain.items() if v],
+            "threads": torch.get_num_threads(), "in_domain": [s["data"] for s in sets if s["in_domain"]],
             "source_perplexity": before, "work": args.work, "points": [point],
             "notes": ["Wall and CPU seconds of the whole run: its conversions and heals (the one-shot curves count "
                       "the heal's training alone)."]}

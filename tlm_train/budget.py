@@ -108,4 +108,5 @@ class Budget:
             self.limits.on_note(said)
 
 
-__all__ = ["Budget", "Limits", "Phase", "TRAINING", "DEFAULT_MAX_HOURS", "TRAIN_MAX_HOURS", "NOTE_SECONDS", "human_duration"]
+__all__ = ["Budget", "Limits", "Phase", "TRAINING", "DEFAULT_MAX_HOURS", "TRAIN_MAX_HOURS", "NOTE_SECONDS",
+           "human_duration"]
