@@ -221,6 +221,64 @@ def test_a_gguf_with_an_absurd_block_count_is_refused(tmp_path, monkeypatch):
     assert "bomb.gguf" in line and "num_hidden_layers=10000000" in line, line
 
 
+LAUNCH = """import sys
+sys.argv = sys.argv[1:]
+from tlm_cli import launch
+try:
+    getattr(launch, sys.argv[0])()
+except SystemExit as stop:
+    print("exit", stop.code, "torch imported" if "torch" in sys.modules else "no torch")
+"""
+
+
+def _launch(command: str, *args) -> tuple[str, str]:
+    """(stdout, stderr) of a console entry point of tlm_cli.launch run in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LAUNCH, command, *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TLM_DEBUG": ""})
+    return done.stdout.strip(), done.stderr.strip()
+
+
+def test_the_console_commands_refuse_a_bomb_before_importing_torch(source, tmp_path, monkeypatch):
+    """A config, GGUF or recipe declaring 10^7 layers is refused by the entry point itself, in one line, before the
+    commands' modules (and torch behind them: seconds of start-up) are imported."""
+    gguf = pytest.importorskip("gguf")
+    from test_checkpoint import write_tiny_gguf
+
+    real = gguf.GGUFWriter.add_block_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, n: real(self, 10_000_000))
+    write_tiny_gguf(tmp_path / "bomb.gguf")
+    monkeypatch.undo()
+    folder = _with_config(source, tmp_path / "src", num_hidden_layers=10_000_000)
+    recipe = _tiny_recipe(tmp_path)
+    recipe["model"]["config"]["hidden_size"] = 1 << 20
+    cases = [("convert_main", [folder, "-o", tmp_path / "out"], f"{folder / 'config.json'}: num_hidden_layers=10000000"),
+             ("convert_main", [tmp_path / "bomb.gguf", "-o", tmp_path / "out", "--low-memory"],
+              f"{tmp_path / 'bomb.gguf'}: num_hidden_layers=10000000"),
+             ("tlm_main", ["train", _write_recipe(tmp_path, recipe), "--no-progress"],
+              "recipe: model.config.hidden_size=1048576 is above the supported maximum")]
+    for command, args, named in cases:
+        out, err = _launch(command, *args)
+        assert out == "exit 1 no torch", (command, args, out, err)
+        assert err.startswith("error: ") and named in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_entry_points_pass_what_they_cannot_judge_to_the_command(source, tmp_path):
+    """A good source, an output folder holding a bomb (never read), a file that is no checkpoint, a missing path and
+    a built-in name pass the entry point's check: the command itself reads (and judges) them."""
+    from tlm_cli.launch import preflight
+
+    bomb = _with_config(source, tmp_path / "old_out", num_hidden_layers=10_000_000)
+    (tmp_path / "notes.txt").write_text("text")
+    preflight([str(source), "-o", str(bomb), "--calibration-data", str(tmp_path / "notes.txt"), "--overwrite"])
+    preflight(["smollm2-135m", "-o", str(tmp_path / "x"), str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):
+        preflight([str(source), "--teacher", str(bomb)])
+
+
 # ============================================================================ readers: every bad file in one line
 
 

@@ -12,6 +12,9 @@ PACKAGES = ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli")  # the floor
 # ``python -m tlm_convert`` / ``torchrun -m tlm_train`` are entry points that only start the CLI floor above their
 # package; nothing imports a __main__ module, so it adds no arrow that another module could follow back down.
 ENTRY_POINTS = ("__main__",)
+# the console entry points check the sizes their inputs declare before importing the commands' modules, which import
+# torch and transformers (seconds): the one place a project import waits inside a function, and only for these
+DEFERRED = {"tlm_cli/launch.py": {"tlm_cli.convert", "tlm_cli.main"}}
 
 
 def _imports(file: Path):
@@ -72,7 +75,8 @@ def test_imports_point_down_the_floors():
 def test_no_project_import_inside_a_function():
     """An import inside a function hides an arrow from this graph (it was how an arrow against the order hid)."""
     found = [f"{file.relative_to(ROOT)}: {base}" for package in PACKAGES for file in _files(package)
-             for base, _, nested in _imports(file) if nested and base.split(".")[0] in PACKAGES]
+             for base, _, nested in _imports(file) if nested and base.split(".")[0] in PACKAGES
+             and base not in DEFERRED.get(file.relative_to(ROOT).as_posix(), ())]
     assert found == []
 
 

@@ -1,6 +1,6 @@
 """``python -m tlm_cli ...`` is the ``tlm`` command."""
 
-from .main import tlm_main
+from .launch import tlm_main
 
 if __name__ == "__main__":
     tlm_main()

@@ -4,11 +4,14 @@
 every layer) and refuses, in one line naming the key and value, a config whose float32 weights would not fit in
 the available memory (``MemAvailable``, a cgroup ``memory.max`` or ``RLIMIT_AS``, whichever is smallest) or that
 exceeds a documented cap (:data:`CAPS`). A ``MemoryError`` after minutes of building modules becomes a refusal in
-milliseconds.
+milliseconds. :func:`declared_sizes` reads those sizes from a checkpoint's metadata alone (its config.json, or a GGUF's
+header through the gguf package and transformers' own GGUF key table), without importing torch: the console commands
+check them before their modules import torch and transformers, which takes seconds (tlm_cli.launch).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,4 +94,39 @@ def check_model_size(cfg: Mapping, where: str | os.PathLike, prefix: str = "", b
     return params
 
 
-__all__ = ["CAPS", "available_memory", "check_model_size", "estimate_params"]
+def declared_sizes(source: Path) -> dict:
+    """The sizes a located checkpoint (a folder with config.json, or a .gguf file) declares in its metadata, under
+    transformers' key names; {} when they cannot be read here (the loader then reports why). Imports no torch."""
+    try:
+        if source.is_dir():
+            config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+            return config if isinstance(config, dict) else {}
+        return _gguf_sizes(source)
+    except Exception:  # unreadable here (corrupt, truncated, no gguf package): the loader names the problem
+        return {}
+
+
+def _gguf_sizes(file: Path) -> dict:
+    """A GGUF's ``{architecture}.*`` header fields renamed by transformers' table (block_count -> num_hidden_layers,
+    ...); the vocabulary is the length of its token list where no vocab_size field is given."""
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # a plain table: no torch behind it
+
+    fields = GGUFReader(str(file)).fields
+    arch_field = fields.get("general.architecture")
+    if arch_field is None:
+        return {}
+    arch = arch_field.contents()
+    renames = GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"])
+    sizes = {}
+    for key, name in renames.items():
+        field = fields.get(f"{arch}.{key}")
+        if name in _ALIASES and field is not None and len(field.data) == 1:
+            sizes[name] = int(field.contents())
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in sizes and tokens is not None:
+        sizes["vocab_size"] = len(tokens.data)
+    return sizes
+
+
+__all__ = ["CAPS", "available_memory", "check_model_size", "declared_sizes", "estimate_params"]
