@@ -29,7 +29,7 @@
 
 Each section runs in a worker process with a share of the budget; one that passes it (a compile that does not
 finish, a hang) is stopped and reported as such, so the whole check ends on time and every figure it could take
-is printed. ``--dry``: CPU; a tiny random Llama converted, evaluated and healed for 6 s; a tiny model per
+is printed. ``--dry``: CPU; a tiny random Llama converted, evaluated and healed for 3 s; a tiny model per
 throughput config, 2 steps, torch.compile with the ``eager`` backend for the cosine configs (dynamo traces each
 mixer; no code generation).
 Prints markdown tables and one JSON line; writes ``--out`` (bench/results/gpu_check.json; dry: a temp file).
@@ -74,7 +74,7 @@ HEAL_SECTION_S = 290.0  # conversion + evaluations + heal; the throughput config
 HEAL_BATCH = 16  # sequences of 512 tokens a GPU heal step: 4x the recipe's 4 (lr unchanged), 8,192 tokens a step
 HEAL_MAX_TOKENS = 10**10  # the recipe's length: never reached, each part ends at its time
 DRY_CONVERT = {"calibration_tokens": 256, "seq_len": 32, "batch_size": 4, "eval_tokens": 256}
-DRY_HEAL_S, DRY_HEAL_SECTION_S = 6.0, 120.0
+DRY_HEAL_S, DRY_HEAL_SECTION_S = 3.0, 120.0
 HEAL_SETTINGS = ("batch", "seq_len", "lr", "planned_s", "precision")  # the heal's, not a point's
 
 

@@ -53,7 +53,7 @@ def test_dry_check_measures_every_mixer_both_schedules_the_conversion_and_the_he
 def check_heal(heal: dict, stdout: str) -> None:
     """The dry heal: the recipe's batch, point 0 from the conversion, then 3 timed parts, each evaluated."""
     assert heal["status"] == "ok" and heal["batch"] == 4 and heal["seq_len"] == 32 and heal["lr"] == 1e-4
-    assert heal["planned_s"] == heal["requested_s"] == 6.0
+    assert heal["planned_s"] == heal["requested_s"] == 3.0
     points = heal["points"]
     assert [p["point"] for p in points] == [0, 1, 2, 3] and all(p["status"] == "ok" for p in points)
     assert points[0]["tokens"] == 0 and points[0]["heal_wall_s"] == 0
@@ -69,7 +69,7 @@ def check_heal(heal: dict, stdout: str) -> None:
         # its set-up on a loaded machine, as the tokens check above allows)
         assert (p["tokens_per_s_wall"] > 0) == (p["tokens"] > 0), p
         assert p["tokens_per_s_wall"] == pytest.approx(p["tokens"] / p["heal_wall_s"], rel=0.05, abs=1), p
-    assert points[-1]["heal_wall_s"] == pytest.approx(6.0, abs=3.0)  # stopped on time (one step, a checkpoint)
+    assert points[-1]["heal_wall_s"] == pytest.approx(3.0, abs=2.5)  # stopped on time (one step, a checkpoint)
     assert "| point | heal wall s | step s | tokens | epochs | tokens/s (steps) | tokens/s (wall) | peak GB |" in stdout
 
 
