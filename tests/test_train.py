@@ -465,3 +465,70 @@ def test_cli_resume_continues(tmp_path):
     assert json.loads(res.output.strip().splitlines()[-1])["steps"] == 4
     again = _cli(["train", str(path), "--no-progress"])  # checkpoints exist and no --resume: refused
     assert again.exit_code != 0 and "pass --resume" in again.output and "Traceback" not in again.output
+
+# ---------------------------------------------------------------------------------------------- grown neurons
+
+
+def _grown_pair(seed=0):
+    """(teacher: uniform width 40, student: widths 60/40/20, whose layer 0 has 20 neurons past the teacher's)."""
+    from conftest import tiny_config
+
+    from tlm import TLMForCausalLM
+
+    torch.manual_seed(seed)
+    vocab = len(byte_tokenizer())
+    teacher = TLMForCausalLM(tiny_config(intermediate_size=40, vocab_size=vocab)).eval()
+    student = TLMForCausalLM(tiny_config(intermediate_size=40, intermediate_sizes=[60, 40, 20], vocab_size=vocab))
+    return teacher, student
+
+
+def test_grown_neurons_learn_at_their_scaled_rate_with_the_same_moments():
+    """One AdamW step with scale_updates(5) moves the neurons past the teacher's width 5x as far as the plain step
+    does, and leaves every other entry where the plain step puts it."""
+    from tlm_train.build import grown_neurons, scale_updates
+
+    teacher, student = _grown_pair()
+    slices = grown_neurons(student, teacher.config.intermediate_sizes)
+    assert [(tuple(p.shape), dim, start) for p, dim, start in slices] == [((60, 32), 0, 40), ((60, 32), 0, 40),
+                                                                          ((32, 60), 1, 40)]
+    ids = torch.randint(0, 99, (2, 12), generator=torch.Generator().manual_seed(1))
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    after = {}
+    for scale in (1.0, 5.0):
+        student.load_state_dict(start)
+        student.zero_grad(set_to_none=True)
+        optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2, weight_decay=0.1)
+        if scale != 1:
+            scale_updates(optimizer, grown_neurons(student, teacher.config.intermediate_sizes), scale)
+        student(ids, labels=ids).loss.backward()
+        optimizer.step()
+        after[scale] = {k: v.clone() for k, v in student.state_dict().items()}
+    mlp = "model.layers.0.mlp."
+    for name, key in [("gate", mlp + "gate_proj.weight"), ("up", mlp + "up_proj.weight")]:
+        plain, scaled, old = after[1.0][key], after[5.0][key], start[key]
+        assert torch.allclose(scaled[40:], old[40:] + 5 * (plain[40:] - old[40:]), atol=1e-7), name
+        assert torch.equal(scaled[:40], plain[:40]) and not torch.equal(scaled[40:], plain[40:]), name
+    down = mlp + "down_proj.weight"
+    assert torch.allclose(after[5.0][down][:, 40:], start[down][:, 40:] + 5 * (after[1.0][down][:, 40:] -
+                                                                              start[down][:, 40:]), atol=1e-7)
+    assert torch.equal(after[5.0][down][:, :40], after[1.0][down][:, :40])
+    others = [k for k in start if not k.startswith(mlp)]
+    assert all(torch.equal(after[5.0][k], after[1.0][k]) for k in others)
+
+
+def test_a_heal_with_grown_lr_scale_runs_and_its_recipe_is_checked(tmp_path):
+    teacher, student = _grown_pair()
+    recipe = tiny_recipe(tmp_path, "grown", distill={"teacher": "in memory", "alpha": 1.0},
+                         optim={"grown_lr_scale": 10.0, "warmup_steps": 0}, train={"max_steps": 2})
+    del recipe["model"]
+    recipe["init_from"] = "in memory"
+    before = student.model.layers[0].mlp.down_proj.weight[:, 40:].norm().item()
+    result = train(recipe_from_dict(recipe), student, teacher, tokenizer=byte_tokenizer())
+    assert result.steps == 2 and all(math.isfinite(x) for x in result.losses)
+    assert student.model.layers[0].mlp.down_proj.weight[:, 40:].norm().item() != before
+    for change, words in [({"optim": {"grown_lr_scale": 0}}, "optim.grown_lr_scale: must be > 0"),
+                          ({"optim": {"grown_lr_scale": 3}}, "add a distill: section"),
+                          ({"optim": {"grown_lr_scale": 3}, "distill": {"teacher": "t"}, "train": {"parallel": "fsdp"}},
+                           "not under train.parallel fsdp")]:
+        with pytest.raises(RecipeError, match=words):
+            recipe_from_dict(tiny_recipe(tmp_path, **change))

@@ -199,6 +199,43 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def grown_neurons(model, widths: list[int]) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """(parameter, dim, first index) of every slice holding the MLP neurons past ``widths[l]`` in layer l (growth
+    appends them): gate/up rows and biases (dim 0), down_proj columns (dim 1); trainable parameters only."""
+    slices = []
+    for layer, width in zip(model.model.layers, widths):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = getattr(layer.mlp, name, None)
+            if linear is None:
+                continue
+            dim = 1 if name == "down_proj" else 0
+            for p in (linear.weight, None if dim else linear.bias):
+                if p is not None and p.requires_grad and p.shape[dim] > width:
+                    slices.append((p, dim, width))
+    return slices
+
+
+def scale_updates(optimizer, slices: list[tuple[torch.nn.Parameter, int, int]], scale: float) -> None:
+    """Multiply each optimizer step's change of the ``slices`` (:func:`grown_neurons`) by ``scale``. AdamW's step
+    (weight decay included) is linear in its learning rate, so this is exactly a learning rate of scale x lr for
+    those entries, with the same moments."""
+    before: list[torch.Tensor] = []
+
+    def views():
+        return [p.detach().narrow(dim, start, p.shape[dim] - start) for p, dim, start in slices]
+
+    def save(opt, args, kwargs):
+        before[:] = [v.clone() for v in views()]
+
+    def scale_change(opt, args, kwargs):
+        for view, old in zip(views(), before):
+            view.sub_(old).mul_(scale).add_(old)  # old + scale * (new - old)
+        before.clear()
+
+    optimizer.register_step_pre_hook(save)
+    optimizer.register_step_post_hook(scale_change)
+
+
 def make_optimizer(model, recipe: Recipe, device: torch.device):
     """(AdamW over ``model``'s trainable parameters, its LambdaLR schedule of :func:`lr_factor`)."""
     o = recipe.optim
@@ -211,4 +248,4 @@ def make_optimizer(model, recipe: Recipe, device: torch.device):
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
            "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start", "param_groups",
-           "make_optimizer"]
+           "make_optimizer", "grown_neurons", "scale_updates"]

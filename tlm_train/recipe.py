@@ -72,6 +72,9 @@ class OptimSpec:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    # the MLP neurons past distill.teacher's width in their layer (those a conversion grew: growth appends them) learn
+    # at this multiple of the rate: noise-initialised, they barely move at lr in a short heal
+    grown_lr_scale: float = 1.0
 
 
 @dataclass
@@ -382,6 +385,14 @@ def _check_semantics(r: Recipe) -> list[str]:
         errors.append(f"optim.min_lr: {r.optim.min_lr} is above optim.lr {r.optim.lr}")
     if len(r.optim.betas) != 2 or not all(0 <= b < 1 for b in r.optim.betas):
         errors.append(f"optim.betas: expected two numbers in [0, 1), got {r.optim.betas}")
+    if r.optim.grown_lr_scale <= 0:
+        errors.append(f"optim.grown_lr_scale: must be > 0, got {r.optim.grown_lr_scale}")
+    elif r.optim.grown_lr_scale != 1 and r.distill is None:
+        errors.append("optim.grown_lr_scale: the grown neurons are those past distill.teacher's widths; add a "
+                      "distill: section or leave it at 1")
+    elif r.optim.grown_lr_scale != 1 and r.train.parallel == "fsdp":
+        errors.append("optim.grown_lr_scale: not under train.parallel fsdp (a rank holds a shard of each matrix); use "
+                      "ddp or leave it at 1")
     if r.optim.grad_clip is not None and r.optim.grad_clip <= 0:
         errors.append(f"optim.grad_clip: must be > 0 or null, got {r.optim.grad_clip}")
     if r.data.num_proc < 1:

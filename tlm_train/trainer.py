@@ -61,9 +61,9 @@ from tlm_io.perplexity import nll_sum
 from tlm_io.text import to_blocks
 
 from .budget import TRAINING, Budget, Limits, Phase
-from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, load_pretrained, lr_factor,
-                    make_optimizer, prepare_student, restore_student, schedule_factor, select_trainable,
-                    student_and_tokenizer, wsd_decay_start)
+from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, grown_neurons, load_pretrained, lr_factor,
+                    make_optimizer, prepare_student, restore_student, scale_updates, schedule_factor,
+                    select_trainable, student_and_tokenizer, wsd_decay_start)
 from .checkpoints import (STOP_FILE, CheckpointStore, discard_new_folder, fingerprint, list_checkpoints,
                           lock_run_folder, resume_path, seed_everything)
 from .data import CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, micro_batch_loader, recipe_tokens
@@ -173,6 +173,10 @@ class _Run:
         shapes = fingerprint(model, r, d.world)  # before FSDP shards the module
         self.model = wrap(model, r.train.parallel, d)
         self.optimizer, self.scheduler = make_optimizer(self.model, r, d.device)
+        if r.optim.grown_lr_scale != 1:
+            grown = grown_neurons(model, self.distillation.teacher.config.intermediate_sizes)
+            scale_updates(self.optimizer, grown, r.optim.grown_lr_scale)
+            logger.info("optim.grown_lr_scale %g: %d grown-neuron slices", r.optim.grown_lr_scale, len(grown))
         self.slow_levels = SlowLevels(self.model)
         self.checkpoints = CheckpointStore(self.out, r, d, self.model, self.optimizer, self.scheduler, model.config,
                                            self.tokenizer, self.order, shapes)
