@@ -2,12 +2,13 @@
 projection columns (and of the source neurons' columns, for scale) before and after the heal, and how far their
 gate/up rows moved relative to where they started.
 
-    python bench/grown_neurons.py CONVERTED HEALED [--out bench/results/grown_neurons.json]
+    python bench/grown_neurons.py CONVERTED HEALED [--out FILE.json] [--curve bench/results/quality/heal_NAME.json]
 
 CONVERTED is the conversion's TLM folder (before the heal: bench/quality_ablation.py --save, or a heal's
 heal-work/converted), HEALED the healed TLM folder (a heal run's final/). Growth appends neurons after the source
 ones (tlm_convert.surgery), so in layer l the grown neurons are columns base..I_l of down_proj, base being the
-source's uniform width (the report's widths_before).
+source's uniform width (the report's widths_before). ``--curve``: the heal curve of that heal, into which the means over
+the growing layers go (its ``grown_neurons`` key; bench/RESULTS.md shows them beside the heal table).
 """
 
 from __future__ import annotations
@@ -49,11 +50,19 @@ def layer_movement(before: dict, after: dict, i: int, base: int) -> dict | None:
     return row
 
 
+def summary(rows: list[dict]) -> dict:
+    """Means over the growing layers: grown and source down-column norms before/after, relative gate/up movement."""
+    keys = [k for k in rows[0] if k.startswith(("grown_", "source_"))] if rows else []
+    return {"layers": len(rows), "neurons": sum(r["grown"] for r in rows),
+            **{k: sum(r[k] for r in rows) / len(rows) for k in keys}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("converted")
     ap.add_argument("healed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--curve", default=None, help="a heal curve JSON to record the means in (key grown_neurons)")
     args = ap.parse_args()
     converted, healed = Path(args.converted), Path(args.healed)
     config = json.loads((converted / "config.json").read_text())
@@ -71,6 +80,12 @@ def main() -> None:
               f"(source {r.get('source_gate_proj_moved', float('nan')):.4f}/{r.get('source_up_proj_moved', 0):.4f})")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.curve:
+        curve = json.loads(Path(args.curve).read_text())
+        run = healed.parent / "run_summary.json"  # the heal's own record of how far it went
+        tokens = json.loads(run.read_text()).get("tokens") if run.is_file() else None
+        curve["grown_neurons"] = {"heal_tokens": tokens, **summary(rows)}
+        Path(args.curve).write_text(json.dumps(curve, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -157,12 +157,32 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
     lines = ["Ratios to the source after N tokens of logit distillation from it (the `--heal-tokens` recipe; "
              "CPU and wall seconds of the training, cumulative).", ""]
     lines += markdown({"title": "", "columns": columns, "rows": rows})
+    lines += grown_neurons_table(curves)
     if HEAL_PNG.exists():
         lines += [f"![heal curve]({HEAL_PNG.relative_to(RESULTS_MD.parent).as_posix()})", ""]
     lines += ["Commands and machines:", ""]
     lines += [f"- {data.get('label', Path(data['converted']).name)} ({path.name}): {provenance(data)}"
               for path, data in curves]
     return lines + [""]
+
+
+def grown_neurons_table(curves: list[tuple[Path, dict]]) -> list[str]:
+    """How far the heals moved the neurons the conversion grew (bench/grown_neurons.py --curve): means over the
+    growing layers."""
+    grown = [(data.get("label", Path(data["converted"]).name), data["grown_neurons"]) for _, data in curves
+             if "grown_neurons" in data]
+    if not grown:
+        return []
+    columns = ["start", "heal tokens", "grown neurons", "grown down-column norm before", "after", "source's",
+               "grown gate/up rows moved", "source's"]
+    rows = [[label, g.get("heal_tokens"), f"{g['neurons']:,} in {g['layers']} layers", f"{g['grown_down_norm_before']:.4f}",
+             f"{g['grown_down_norm_after']:.4f}", f"{g['source_down_norm_after']:.3f}",
+             f"{g['grown_gate_proj_moved']:.4f} / {g['grown_up_proj_moved']:.4f}",
+             f"{g['source_gate_proj_moved']:.4f} / {g['source_up_proj_moved']:.4f}"] for label, g in grown]
+    return ["How far each heal moved the MLP neurons the conversion grew (`python bench/grown_neurons.py CONVERTED "
+            "HEALED --curve FILE`; norms of down_proj columns, gate/up rows' movement relative to their start; means "
+            "over the growing layers):", "",
+            *markdown({"title": "", "columns": columns, "rows": rows})]
 
 
 def _3(v):

@@ -14,6 +14,7 @@ import pytest
 from bench import report, suite
 from bench.convert_run import README_ARGS
 from bench.gradual_taper import stage_ratio
+from bench.grown_neurons import summary as grown_summary
 from tlm import taper_widths
 
 ROOT = Path(__file__).parent.parent
@@ -50,7 +51,7 @@ def test_the_readme_shows_the_demo_result_files_figures_and_stays_short():
 
 def test_results_md_is_short_and_every_section_names_its_command_and_machine():
     text = (ROOT / "bench" / "RESULTS.md").read_text()
-    assert text.count("\n") < 420  # a ten-minute read (the compare study of issue 24 added its section)
+    assert text.count("\n") < 460  # a ten-minute read (issue 24 added the compare study and Gemma's measured taper)
     for section in re.split(r"\n### ", text)[1:]:
         assert "command: `" in section and "machine: " in section, section.splitlines()[0]
 
@@ -74,8 +75,8 @@ def test_every_benchmark_runs_a_script_that_accepts_its_options():
         script = ROOT / b.argv[0]
         assert script.is_file(), b.name
         source = script.read_text()
-        options = [a for a in [*b.argv[1:], *(b.quick or []), *([b.out_flag] if b.out_flag else [])]
-                   if a.startswith("--") and a != "--"]
+        own = b.argv[1:b.argv.index("--")] if "--" in b.argv else b.argv[1:]  # after --: tlm-convert's options
+        options = [a for a in [*own, *(b.quick or []), *([b.out_flag] if b.out_flag else [])] if a.startswith("--")]
         for option in options:
             assert f'"{option}"' in source, (b.name, option)
 
@@ -164,6 +165,11 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     curve = {"converted": "runs/q/new_row", "source_perplexity": {k: 10.0 for k in ratios}, "machine": "test",
              "points": [{"tokens": 0, "ratio": ratios}, {"tokens": 4096, "ratio": {**ratios, "eval-code": 1.1},
                                                          "cpu_seconds": 12.0, "wall_seconds": 13.0}]}
+    rows = [{"grown": 40, "grown_down_norm_before": 0.01, "grown_down_norm_after": 0.03, "source_down_norm_before": 4.0,
+             "source_down_norm_after": 4.5, "grown_gate_proj_moved": 0.2, "source_gate_proj_moved": 0.1,
+             "grown_up_proj_moved": 0.3, "source_up_proj_moved": 0.1} for _ in range(2)]
+    rows[1]["grown_down_norm_after"] = 0.05
+    curve["grown_neurons"] = {"heal_tokens": 4096, **grown_summary(rows)}  # what --curve records
     (quality / "new_row.json").write_text(json.dumps(row))
     (quality / "heal_new_row.json").write_text(json.dumps(curve))
     monkeypatch.setattr(report, "RESULTS", tmp_path)
@@ -173,6 +179,7 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     assert "| a new row | 1.500 | 1.200 | 1.250 | **x1.225** |" in text
     assert "| new_row | 4,096 | 1.500 | 1.200 | 1.100 | **x1.149** | 12 | 13 |" in text
     assert "command: `python bench/quality_ablation.py new_row`" in text
+    assert "| new_row | 4,096 | 80 in 2 layers | 0.0100 | 0.0400 | 4.500 | 0.2000 / 0.3000 | 0.1000 / 0.1000 |" in text
     (quality / "stray.json").write_text("{}")
     with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
         report.render()
