@@ -266,6 +266,25 @@ def test_the_console_commands_refuse_a_bomb_before_importing_torch(source, tmp_p
     assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
 
 
+def test_declared_sizes_never_read_a_pipe_or_a_huge_config(tmp_path):
+    """What the entry point reads is bounded like every side file: a FIFO config.json is not waited on, and a 65 MiB
+    one is not read (each gives no sizes; the command then names the problem)."""
+    import threading
+
+    from tlm_io.sizes import declared_sizes
+
+    for name in ("fifo", "huge"):
+        (tmp_path / name).mkdir()
+    os.mkfifo(tmp_path / "fifo" / "config.json")
+    (tmp_path / "huge" / "config.json").write_text('{"num_hidden_layers": 10000000' + " " * (65 << 20) + "}")
+    for name in ("fifo", "huge"):
+        found = []
+        reader = threading.Thread(target=lambda: found.append(declared_sizes(tmp_path / name)), daemon=True)
+        reader.start()
+        reader.join(timeout=20)
+        assert found == [{}], name  # a plain read would block on the FIFO and parse the huge file's layers
+
+
 def test_the_entry_points_pass_what_they_cannot_judge_to_the_command(source, tmp_path):
     """A good source, an output folder holding a bomb (never read), a file that is no checkpoint, a missing path and
     a built-in name pass the entry point's check: the command itself reads (and judges) them."""
@@ -274,6 +293,9 @@ def test_the_entry_points_pass_what_they_cannot_judge_to_the_command(source, tmp
     bomb = _with_config(source, tmp_path / "old_out", num_hidden_layers=10_000_000)
     (tmp_path / "notes.txt").write_text("text")
     preflight([str(source), "-o", str(bomb), "--calibration-data", str(tmp_path / "notes.txt"), "--overwrite"])
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / "config.json").symlink_to("/dev/zero")  # never read: it would never end
+    preflight([str(tmp_path / "device"), "-o", str(tmp_path / "x")])  # the command names the problem
     preflight(["smollm2-135m", "-o", str(tmp_path / "x"), str(tmp_path / "missing")])
     with pytest.raises(SystemExit):
         preflight([str(source), "--teacher", str(bomb)])

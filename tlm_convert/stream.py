@@ -49,7 +49,8 @@ from tlm_io.gguf_reader import GGUFTensors
 from tlm_io.heap import trim_heap
 from tlm_io.locate import locate
 from tlm_io.perplexity import nll_sum
-from tlm_io.readers import BinTensors, SafetensorsFiles, TensorIndex, prepare_tensor, read_json, weight_files
+from tlm_io.bounded import read_json
+from tlm_io.readers import BinTensors, SafetensorsFiles, TensorIndex, prepare_tensor, weight_files
 from tlm_io.shapes import check_shapes
 from tlm_io.sizes import check_model_size
 from tlm_io.tokenizer_source import tokenizer_folder

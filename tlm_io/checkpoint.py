@@ -34,6 +34,7 @@ import torch
 from tlm import TLMConfig
 
 from .archs import SUPPORTED_ARCHITECTURES, family_of, tlm_state_dict_from_hf
+from .bounded import read_json
 from .config_import import (
     generation_config_of,
     import_hf_config,
@@ -46,7 +47,7 @@ from .config_import import (
 from .errors import ConversionError, one_line
 from .gguf_reader import read_gguf_model, read_gguf_tensors
 from .locate import locate
-from .readers import read_json, read_state_dict, weight_files
+from .readers import read_state_dict, weight_files
 from .shapes import check_tlm_state_dict, count_params
 from .sizes import check_model_size
 from .tokenizer_source import tokenizer_folder, tokenizer_kwargs

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import ConversionError, one_line
-from .readers import MAX_TOKENIZER_BYTES, parse_json, read_bounded
+from .bounded import MAX_TOKENIZER_BYTES, parse_json, read_bounded
 from .tokenizer_source import TOKENIZER_FILES
 
 FLAG = "--trust-remote-code"

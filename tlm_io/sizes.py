@@ -11,11 +11,11 @@ check them before their modules import torch and transformers, which takes secon
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from .bounded import read_json
 from .errors import ConversionError
 from .outputs import human_bytes
 
@@ -99,8 +99,7 @@ def declared_sizes(source: Path) -> dict:
     transformers' key names; {} when they cannot be read here (the loader then reports why). Imports no torch."""
     try:
         if source.is_dir():
-            config = json.loads((source / "config.json").read_text(encoding="utf-8"))
-            return config if isinstance(config, dict) else {}
+            return read_json(source / "config.json", "model config")  # bounded: never a device or a huge file
         return _gguf_sizes(source)
     except Exception:  # unreadable here (corrupt, truncated, no gguf package): the loader names the problem
         return {}
