@@ -175,7 +175,8 @@ def grown_neurons_table(curves: list[tuple[Path, dict]]) -> list[str]:
         return []
     columns = ["start", "heal tokens", "grown neurons", "grown down-column norm before", "after", "source's",
                "grown gate/up rows moved", "source's"]
-    rows = [[label, g.get("heal_tokens"), f"{g['neurons']:,} in {g['layers']} layers", f"{g['grown_down_norm_before']:.4f}",
+    rows = [[label, g.get("heal_tokens"), f"{g['neurons']:,} in {g['layers']} layers",
+             f"{g['grown_down_norm_before']:.4f}",
              f"{g['grown_down_norm_after']:.4f}", f"{g['source_down_norm_after']:.3f}",
              f"{g['grown_gate_proj_moved']:.4f} / {g['grown_up_proj_moved']:.4f}",
              f"{g['source_gate_proj_moved']:.4f} / {g['source_up_proj_moved']:.4f}"] for label, g in grown]

@@ -254,7 +254,8 @@ def test_the_console_commands_refuse_a_bomb_before_importing_torch(source, tmp_p
     folder = _with_config(source, tmp_path / "src", num_hidden_layers=10_000_000)
     recipe = _tiny_recipe(tmp_path)
     recipe["model"]["config"]["hidden_size"] = 1 << 20
-    cases = [("convert_main", [folder, "-o", tmp_path / "out"], f"{folder / 'config.json'}: num_hidden_layers=10000000"),
+    cases = [("convert_main", [folder, "-o", tmp_path / "out"],
+              f"{folder / 'config.json'}: num_hidden_layers=10000000"),
              ("convert_main", [tmp_path / "bomb.gguf", "-o", tmp_path / "out", "--low-memory"],
               f"{tmp_path / 'bomb.gguf'}: num_hidden_layers=10000000"),
              ("tlm_main", ["train", _write_recipe(tmp_path, recipe), "--no-progress"],
