@@ -294,6 +294,10 @@ def test_the_entry_points_pass_what_they_cannot_judge_to_the_command(source, tmp
     bomb = _with_config(source, tmp_path / "old_out", num_hidden_layers=10_000_000)
     (tmp_path / "notes.txt").write_text("text")
     preflight([str(source), "-o", str(bomb), "--calibration-data", str(tmp_path / "notes.txt"), "--overwrite"])
+    (tmp_path / "deep.yaml").write_text("model: " + "[" * 200_000)  # refused by depth before PyYAML recurses
+    (tmp_path / "huge.yaml").write_bytes(b"")
+    os.truncate(tmp_path / "huge.yaml", 17 << 20)  # sparse, over the recipe bound: never read
+    preflight(["train", str(tmp_path / "deep.yaml"), str(tmp_path / "huge.yaml")])
     (tmp_path / "device").mkdir()
     (tmp_path / "device" / "config.json").symlink_to("/dev/zero")  # never read: it would never end
     preflight([str(tmp_path / "device"), "-o", str(tmp_path / "x")])  # the command names the problem

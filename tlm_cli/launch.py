@@ -3,7 +3,7 @@ before the commands' modules are imported.
 
 Importing torch and transformers' model code takes 5-8 s on a small machine; a config with ``num_hidden_layers:
 10000000`` should not wait for it. :func:`preflight` reads what every checkpoint folder, .gguf file and YAML recipe
-named on the command line declares (tlm_io.sizes: JSON, the GGUF header, YAML; no torch) and refuses an absurd or
+named on the command line declares (tlm_io.sizes and tlm_train.recipe_file: JSON, the GGUF header, YAML; no torch) and refuses an absurd or
 unaffordable size in one line. Everything else (a missing file, a corrupt one, a hub id, a built-in name, ``--set``
 overrides) is left to the command itself, which checks the same sizes again when it reads its input for real.
 """
@@ -14,11 +14,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
-from tlm_io.errors import ConversionError, TLMError
+from tlm_io.errors import ConversionError, RecipeError, TLMError
 from tlm_io.locate import locate
 from tlm_io.sizes import check_model_size, declared_sizes
+from tlm_train.recipe_file import read_recipe_file
 
 from .common import fail
 
@@ -53,9 +52,9 @@ def check_input(word: str) -> None:
 
 def _check_recipe(path: Path) -> None:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
-        return  # the recipe reader names the problem
+        data = read_recipe_file(path)  # the reader tlm train uses: bounded, nesting and duplicate keys checked
+    except (OSError, RecipeError):
+        return  # the command names the problem
     model = data.get("model") if isinstance(data, Mapping) else None
     config = model.get("config") if isinstance(model, Mapping) else None
     if isinstance(config, Mapping):

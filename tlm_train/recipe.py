@@ -24,8 +24,8 @@ import yaml
 from tlm import TLMConfig
 from tlm_io.errors import RecipeError
 
-MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
-MAX_RECIPE_DEPTH = 100  # [ / { nesting; recipes nest a few levels
+from .recipe_file import read_recipe_file
+
 SEED_LIMIT = 1 << 32  # seeds are 0 .. 2**32 - 1: NumPy's range, and products of it stay within torch's 64 bits
 
 
@@ -143,67 +143,13 @@ class Recipe:
 # ============================================================================================ loading and checks
 
 
-class _DuplicateKey(yaml.YAMLError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:
-                continue  # the base class names an unhashable key
-            if key in seen:
-                raise _DuplicateKey(f"key {key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1})")
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides and validate it (RecipeError lists every problem)."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
-    if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
-                          "pass the YAML recipe file")
-    try:
-        text = path.read_text(encoding="utf-8")
-        if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML would take seconds to find it too deep
-            raise RecursionError
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
-    except UnicodeDecodeError as err:
-        raise RecipeError(f"recipe '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
-    except RecursionError:
-        raise RecipeError(f"recipe '{path}' is nested too deeply to be a recipe; fix it") from None
-    except _DuplicateKey as err:
-        raise RecipeError(f"recipe '{path}': {err}; keep one of them (a later one would silently replace the "
-                          "first)") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise RecipeError(f"recipe '{path}' is not valid YAML{where}; fix the syntax") from None
+    data = read_recipe_file(path)
     recipe = recipe_from_dict(data if data is not None else {}, overrides, name=str(path))
     recipe.source = str(path)  # not a recipe key: lets a run refuse an output_dir that is the recipe's own folder
     return recipe
-
-
-def _flow_depth(text: str) -> int:
-    """The deepest nesting of ``[``/``{`` in ``text`` (brackets inside comments and quotes counted too: an upper
-    bound, enough to refuse an absurd file before the parser recurses into it)."""
-    depth = deepest = 0
-    for char in text:
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth = max(0, depth - 1)
-    return deepest
 
 
 def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), name: str = "recipe") -> Recipe:
