@@ -20,16 +20,20 @@ VOCAB = 320
 WIDTH = 48  # uniform source width; cosine 1.5/0.5 over 4 layers with multiple_of 1 -> [72, 60, 36, 24]
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def tiny_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """``bos``: a second special token, ``<bos>``, that encoding puts before every text (as Gemma's tokenizer does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+                                  special_tokens=["<eos>", "<bos>"] if bos else ["<eos>"], show_progress=False)
     tok.train([str(DATA)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    if not bos:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
 
 
 FAMILIES = {

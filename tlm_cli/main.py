@@ -22,7 +22,7 @@ from tlm_io.load import check_positions, check_token_ids, load_model
 from tlm_io.locate import resolve_builtin
 from tlm_io.outputs import check_writable_parent
 from tlm_io.perplexity import strided_perplexity
-from tlm_io.text import eval_sources, load_text, token_blocks
+from tlm_io.text import eval_sources, load_text, text_prefix, token_blocks
 from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
 from tlm_train.budget import TRAIN_MAX_HOURS, Limits
 from tlm_train.prepare import prepare_data
@@ -73,9 +73,13 @@ def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, bat
             if len(ids) < 2:
                 raise ConversionError(f"evaluation data {name!r} has {len(ids)} tokens; pass more text")
             check_token_ids(ids, model.config.vocab_size, f"evaluation data {name!r} (tokenized)")
-            result = strided_perplexity(model, ids, seq_len, stride, batch_size)
+            prefix = text_prefix(tokenizer)  # before every window, as the tokenizer begins a text
+            if seq_len < 2 + len(prefix):
+                raise ConversionError(f"option --seq-len {seq_len} is too short for the tokenizer's "
+                                      f"{len(prefix)}-token start of text; use at least {2 + len(prefix)}")
+            result = strided_perplexity(model, ids, seq_len, stride, batch_size, prefix)
             lines.append({"model": model_path, "data": name, "tokens": int(len(ids)), "seq_len": seq_len,
-                          "stride": stride, "scored_tokens": result.tokens, "windows": result.windows,
+                          "stride": min(stride, seq_len - len(prefix)), "window_prefix": list(prefix), "scored_tokens": result.tokens, "windows": result.windows,
                           "nll": result.nll, "perplexity": result.perplexity})
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)

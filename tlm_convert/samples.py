@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tlm_io.errors import ConversionError
-from tlm_io.text import load_text, token_blocks
+from tlm_io.text import load_text, text_prefix, token_blocks
 
 SELF = "self"  # the calibration source name
 BATCH = 128  # samples drawn together: more tokens/s than small batches on CPU, for a KV cache that grows with it
@@ -41,11 +41,15 @@ def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_s
                   progress: bool = False, budget=None) -> torch.Tensor:
     """(n, seq_len) token ids sampled from ``model`` (a causal LM with ``generate``), ``batch_size`` samples at a
     time; ``progress``: a bar over the sampled tokens on stderr, advanced at every generation step. ``budget``: a
-    tlm_train.budget.Budget over the n * seq_len tokens, told at every generation step (it may refuse the rest)."""
+    tlm_train.budget.Budget over the n * seq_len tokens, told at every generation step (it may refuse the rest).
+    A sample begins as the tokenizer begins a text (tlm_io.text.text_prefix: Gemma's <bos> stays at position 0, as in
+    text blocks); without such a prefix it starts from BOS (else EOS), which is then dropped."""
     start = start_token(tokenizer)
+    prefix = text_prefix(tokenizer)  # kept in every block
+    lead = list(prefix) or [start]  # what generation starts from
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or (1 << 62)
-    if start >= vocab:
-        raise ConversionError(f"--calibration-data self starts its samples from token {start} (the tokenizer's BOS or "
+    if max(lead) >= vocab:
+        raise ConversionError(f"--calibration-data self starts its samples from token {max(lead)} (the tokenizer's BOS or "
                               f"EOS), beyond the model's vocabulary of {vocab}; use the model's own tokenizer or pass "
                               "calibration text")
     suppress = sorted({start, tokenizer.eos_token_id, *_config_eos(model)} - {None})  # no sample ends early
@@ -57,12 +61,12 @@ def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_s
         torch.manual_seed(seed)
         for first in range(0, n, batch_size):
             rows = min(batch_size, n - first)
-            ids = torch.full((rows, 1), start, dtype=torch.long, device=device)  # (rows, 1)
+            ids = torch.tensor(lead, dtype=torch.long, device=device).expand(rows, -1)  # (rows, L)
             sampled = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=seq_len,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=seq_len - len(prefix),
                                      suppress_tokens=suppress, pad_token_id=start,
-                                     stopping_criteria=StoppingCriteriaList([_Advance(bar, budget)]))  # (rows, 1 + S)
-            out.append(sampled[:, 1:].cpu())
+                                     stopping_criteria=StoppingCriteriaList([_Advance(bar, budget)]))
+            out.append(sampled[:, len(lead) - len(prefix):].cpu())  # (rows, seq_len): the prefix, then samples
     return torch.cat(out)
 
 
@@ -121,8 +125,10 @@ def _say_short(blocks: torch.Tensor, share: int, seq_len: int, source: str, limi
 
 
 def samples_text(tokenizer, samples: torch.Tensor) -> str:
-    """The sampled blocks as text: one paragraph per sample, separated by blank lines."""
-    return "".join(tokenizer.decode(row) + "\n\n" for row in samples.tolist())
+    """The sampled blocks as text: one paragraph per sample, separated by blank lines (without the tokenizer's
+    start-of-text prefix, which tokenizing the text puts back at the start of each block)."""
+    p = len(text_prefix(tokenizer))
+    return "".join(tokenizer.decode(row[p:]) + "\n\n" for row in samples.tolist())
 
 
 __all__ = ["SELF", "BATCH", "sample_blocks", "start_token", "calibration_blocks", "samples_text"]

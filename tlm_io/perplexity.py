@@ -60,13 +60,15 @@ class Perplexity:
     windows: int
 
 
-def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored position within the window) for a stream of n tokens."""
+def windows(n: int, window: int, stride: int, lead: int = 0) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position within the window) for a stream of n tokens; ``lead``: tokens put before
+    each window (a start-of-text prefix), which predict its position 0, else nothing does."""
     spans, prev_end, begin = [], 0, 0
+    least = 0 if lead else 1
     while True:
         end = min(begin + window, n)
-        first = max(prev_end - begin, 1)  # position 0 of a window has nothing to predict it
-        if end - begin >= 2 and first < end - begin:
+        first = max(prev_end - begin, least)
+        if end - begin >= 2 - lead and first < end - begin:
             spans.append((begin, end, first))
         prev_end = end
         if end == n:
@@ -76,16 +78,21 @@ def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None = None,
-                       batch_size: int = 8) -> Perplexity:
+                       batch_size: int = 8, prefix: tuple[int, ...] = ()) -> Perplexity:
     """Perplexity of ``model`` (a TLMForCausalLM) on the 1-D token stream ``ids`` (see the module doc); the logits
-    are formed in chunks (:func:`nll_sum`)."""
+    are formed in chunks (:func:`nll_sum`). ``prefix``: the tokenizer's start-of-text tokens
+    (tlm_io.text.text_prefix), put before every window, which then holds window - len(prefix) tokens of ``ids``
+    (``stride`` is capped there); with a prefix, the stream's first token is scored too."""
     stride = window if stride is None else stride
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in [1, window={window}], got {stride}")
-    if window < 2:
-        raise ValueError(f"window must be >= 2 tokens, got {window}")
+    if window < 2 + len(prefix):
+        raise ValueError(f"window must be >= {2 + len(prefix)} tokens, got {window}")
+    body = window - len(prefix)  # tokens of ids a window holds
+    stride = min(stride, body)
     ids = ids.long().flatten()
-    spans = windows(len(ids), window, stride)
+    lead = torch.tensor(prefix, dtype=torch.long)
+    spans = windows(len(ids), body, stride, len(prefix))
     if not spans:
         raise ValueError(f"{len(ids)} tokens: too few to score; give at least 2")
     device = next(model.parameters()).device
@@ -96,10 +103,10 @@ def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None
     for length, group in by_length.items():
         for i in range(0, len(group), batch_size):
             chunk = group[i : i + batch_size]
-            batch = torch.stack([ids[b:e] for b, e, _ in chunk]).to(device)  # (B, length)
-            hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state  # (B, length, d)
-            for row, (_, _, first) in enumerate(chunk):  # targets at positions first..length-1
-                part, n = nll_sum(model.lm_head, hidden[row : row + 1], batch[row : row + 1], first)
+            batch = torch.stack([torch.cat([lead, ids[b:e]]) for b, e, _ in chunk]).to(device)  # (B, P + length)
+            hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state  # (B, P + length, d)
+            for row, (_, _, first) in enumerate(chunk):  # targets at positions P + first .. P + length - 1
+                part, n = nll_sum(model.lm_head, hidden[row : row + 1], batch[row : row + 1], first + len(prefix))
                 total, count = total + part, count + n
     mean = total / count
     return Perplexity(math.exp(mean), mean, count, len(spans))

@@ -155,15 +155,39 @@ def _text_column(ds, source):
     return (row["text"] for row in ds if isinstance(row.get("text"), str) and row["text"])
 
 
-def to_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The 1-D token ids cut into (len(ids) // seq_len, seq_len) consecutive blocks (a view; the tail is dropped)."""
-    n = len(ids) // seq_len
-    return ids[: n * seq_len].view(n, seq_len)
+def text_prefix(tokenizer) -> tuple[int, ...]:
+    """The special token ids ``tokenizer`` puts before every text it encodes: Gemma's ``<bos>``; none for GPT-2,
+    SmolLM2 or the byte tokenizer. Every block the library cuts from a text begins with them (:func:`to_blocks`), so
+    a model is calibrated, scored and trained on text that begins as it did in pretraining: Gemma 3 270M scores 2.3-2.5x
+    its own perplexity on blocks without its ``<bos>``. Read by encoding one word with and without special tokens;
+    () when the tokenizer adds nothing before it (or is None)."""
+    if tokenizer is None:
+        return ()
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a")["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return tuple(int(t) for t in full[:i])
+    return ()
+
+
+def to_blocks(ids: torch.Tensor, seq_len: int, prefix: tuple[int, ...] = ()) -> torch.Tensor:
+    """The 1-D token ids cut into (n, seq_len) consecutive blocks, the tail dropped: each block is ``prefix`` (see
+    :func:`text_prefix`) then seq_len - len(prefix) tokens of ``ids`` (a view of ``ids`` when there is no prefix)."""
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"blocks of {seq_len} tokens cannot hold the {len(prefix)}-token prefix and text")
+    n = len(ids) // body
+    blocks = ids[: n * body].view(n, body)  # (n, body)
+    if not prefix:
+        return blocks
+    return torch.cat([torch.tensor(prefix, dtype=ids.dtype).expand(n, len(prefix)), blocks], dim=1)
 
 
 def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, what: str = "calibration",
                  spread: bool | None = None) -> torch.Tensor:
-    """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block.
+    """Tokenize and cut into (n, seq_len) blocks, at most ``max_tokens`` tokens; at least one full block. Each block
+    begins with the tokenizer's start-of-text tokens (:func:`text_prefix`), as the model saw text in pretraining.
 
     ``spread`` (default: on for calibration, off otherwise): when the text holds more blocks than asked for, take
     them evenly spaced over the whole text (first and last block included, original order) instead of the first
@@ -171,13 +195,18 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     encyclopedic prose) is represented as a whole and not only by its beginning. Deterministic."""
     if seq_len < 2:
         raise ConversionError(f"option --seq-len {seq_len} is too short; use at least 2 (e.g. 512)")
+    prefix = text_prefix(tokenizer)
+    if seq_len < len(prefix) + 2:
+        raise ConversionError(f"option --seq-len {seq_len} is too short for the tokenizer's {len(prefix)}-token "
+                              "start of text; use at least 2 more (e.g. 512)")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    total = len(ids) // seq_len
+    body = seq_len - len(prefix)  # text tokens a block holds after the prefix
+    total = len(ids) // body
     n = total if max_tokens is None else min(total, max_tokens // seq_len)
     if n < 1:
         raise ConversionError(f"{what} data has {len(ids)} tokens, fewer than one block of --seq-len {seq_len}; "
                               "pass more text or a smaller --seq-len")
-    blocks = to_blocks(ids, seq_len)  # (total, seq_len)
+    blocks = to_blocks(ids, seq_len, prefix)  # (total, seq_len)
     if spread is None:
         spread = what == "calibration"
     if not spread or n == total:
@@ -186,5 +215,5 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
-__all__ = ["load_text", "to_blocks", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED",
+__all__ = ["load_text", "text_prefix", "to_blocks", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED",
            "EVAL_SETS", "IN_DOMAIN", "DATA_FORMATS"]

@@ -90,30 +90,40 @@ class TokenShards:
 
 
 class TokenBlocks:
-    """Token ids [start, stop) of ``tokens`` cut into blocks of ``seq_len`` (the tail shorter than a block is
-    dropped). ``blocks[rows]`` -> (len(rows), seq_len) int32 tensor; ``blocks.all()`` -> every block."""
+    """Token ids [start, stop) of ``tokens`` cut into blocks of ``seq_len``, each ``prefix`` (the tokenizer's
+    start-of-text tokens, tlm_io.text.text_prefix) then seq_len - len(prefix) tokens of the stream (the tail shorter
+    than a block is dropped). ``blocks[rows]`` -> (len(rows), seq_len) int32 tensor; ``blocks.all()`` -> every
+    block."""
 
-    def __init__(self, tokens: TokenShards, seq_len: int, start: int = 0, stop: int | None = None):
+    def __init__(self, tokens: TokenShards, seq_len: int, start: int = 0, stop: int | None = None,
+                 prefix: tuple[int, ...] = ()):
         stop = len(tokens) if stop is None else stop
-        self.tokens, self.seq_len, self.start = tokens, seq_len, start
-        self.n = max(0, stop - start) // seq_len
+        self.tokens, self.seq_len, self.start, self.prefix = tokens, seq_len, start, tuple(prefix)
+        self.body = seq_len - len(self.prefix)  # stream tokens per block
+        if self.body < 1:
+            raise ValueError(f"blocks of {seq_len} tokens cannot hold the {len(self.prefix)}-token prefix and text")
+        self.n = max(0, stop - start) // self.body
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, rows) -> torch.Tensor:
-        s = self.seq_len
-        out = np.empty((len(rows), s), dtype=np.int32)
+        b, p = self.body, len(self.prefix)
+        out = np.empty((len(rows), self.seq_len), dtype=np.int32)
+        out[:, :p] = self.prefix
         for i, row in enumerate(rows):
             if not 0 <= row < self.n:
                 raise IndexError(f"block {row} of {self.n}")
-            out[i] = self.tokens.read(self.start + row * s, self.start + (row + 1) * s)
+            out[i, p:] = self.tokens.read(self.start + row * b, self.start + (row + 1) * b)
         return torch.from_numpy(out)
 
     def all(self) -> torch.Tensor:
         """(n, seq_len) int32: every block, in memory."""
-        ids = self.tokens.read(self.start, self.start + self.n * self.seq_len)
-        return torch.from_numpy(ids).view(self.n, self.seq_len)
+        ids = self.tokens.read(self.start, self.start + self.n * self.body)
+        body = torch.from_numpy(ids).view(self.n, self.body)  # (n, body)
+        if not self.prefix:
+            return body
+        return torch.cat([torch.tensor(self.prefix, dtype=body.dtype).expand(self.n, -1), body], dim=1)
 
 
 def _shards_on_disk(folder: Path, dtype: np.dtype) -> list[int]:

@@ -58,7 +58,7 @@ from tlm.slow import SlowLevels
 from tlm_io.errors import ConversionError, TLMError, TrainError
 from tlm_io.load import check_positions, check_token_ids
 from tlm_io.perplexity import nll_sum
-from tlm_io.text import to_blocks
+from tlm_io.text import text_prefix, to_blocks
 
 from .budget import TRAINING, Budget, Limits, Phase
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, grown_neurons, load_pretrained, lr_factor,
@@ -108,8 +108,9 @@ def training_blocks(tokenizer, recipe: Recipe, d: Dist, vocab: int) -> tuple[Bat
         hold -= hold % r.data.seq_len
         train_stop = len(ids) - hold
         eval_ids = torch.from_numpy(ids.read(train_stop))
-    train_blocks = TokenBlocks(ids, r.data.seq_len, stop=train_stop)
-    eval_blocks = to_blocks(eval_ids[: r.data.eval_tokens], r.data.seq_len)
+    prefix = text_prefix(tokenizer)  # every block begins as the tokenizer begins a text (Gemma: <bos>)
+    train_blocks = TokenBlocks(ids, r.data.seq_len, stop=train_stop, prefix=prefix)
+    eval_blocks = to_blocks(eval_ids[: r.data.eval_tokens], r.data.seq_len, prefix)
     check_cache_ids(ids, vocab, f"the token cache of data.train ({ids.folder})")
     check_token_ids(eval_ids, vocab, "the held-out tokens of data.eval" if r.data.eval else
                     f"the token cache of data.train ({ids.folder})", CACHE_FIX)
