@@ -320,7 +320,7 @@ def test_tlm_eval_prints_json_with_a_finite_perplexity(converted):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["tokens"] == 256 and report["seq_len"] == 64 and report["stride"] == 32
-    assert report["scored_tokens"] == 255 and report["windows"] == 7
+    assert report["scored_tokens"] == 255 and report["windows"] == 7 and report["window_prefix"] == []
     assert math.isfinite(report["perplexity"]) and report["perplexity"] > 1
 
 

@@ -2,6 +2,8 @@
 position 0 of every calibration, evaluation, sampled and training block and before every strided window; one that
 adds nothing (GPT-2, SmolLM2, the byte tokenizer) gets the blocks it always had."""
 
+import json
+
 import pytest
 import torch
 from tiny_sources import DATA, make_source, tiny_tokenizer
@@ -9,6 +11,7 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 import tlm_train.trainer as trainer_module
 from conftest import make_model
 from test_train import tiny_recipe
+from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
@@ -76,9 +79,13 @@ def test_strided_windows_with_the_prefix_score_what_prefixed_blocks_score():
 
 
 @pytest.fixture(scope="module")
-def bos_model(tmp_path_factory, bos_tokenizer):
-    source = make_source(tmp_path_factory.mktemp("bos"), "llama", tokenizer=bos_tokenizer)
-    src = load_source(str(source), dtype=torch.float32)
+def bos_source(tmp_path_factory, bos_tokenizer):
+    return make_source(tmp_path_factory.mktemp("bos"), "llama", tokenizer=bos_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def bos_model(bos_source):
+    src = load_source(str(bos_source), dtype=torch.float32)
     return materialize(src.tlm_config, src.state_dict).eval()
 
 
@@ -103,3 +110,28 @@ def test_training_and_held_out_blocks_begin_with_the_prefix(tmp_path, monkeypatc
     recipe = tiny_recipe(tmp_path, train={"max_steps": 2}, log={"eval_every": 2, "save_every": 2})
     train(recipe_from_dict(recipe), model=make_model(vocab_size=len(bos_tokenizer)).train(), tokenizer=bos_tokenizer)
     assert seen and all((ids[:, 0] == BOS).all() and not (ids[:, 1:] == BOS).any() for ids in seen)
+
+
+def test_a_conversion_says_what_its_blocks_begin_with_and_heals_on_such_blocks(bos_source, tmp_path):
+    out = tmp_path / "out"
+    report = convert(str(bos_source), str(out), ConvertOptions(
+        calibration_data=(str(DATA), "self"), eval_data=str(DATA), heal_tokens=256, calibration_tokens=1024,
+        seq_len=64, batch_size=4, multiple_of=1))
+    assert report["block_prefix"] == [BOS] and report["heal"]["tokens"] == 256
+    assert "each beginning with the tokenizer's start of text (ids [1])" in (out / "report.md").read_text()
+    assert "<bos>" not in (out / "calibration_samples.txt").read_text()
+
+
+def test_tlm_eval_puts_the_prefix_before_every_window(bos_source):
+    from click.testing import CliRunner
+
+    from tlm_cli.main import tlm_main
+
+    result = CliRunner().invoke(tlm_main, ["eval", str(bos_source), "--data", str(DATA), "--seq-len", "16",
+                                           "--stride", "16", "--max-tokens", "60"])
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.stdout)
+    assert line["window_prefix"] == [BOS] and line["stride"] == 15  # disjoint windows of <bos> + 15 tokens
+    assert line["scored_tokens"] == 60 and line["windows"] == 4
+    too_short = CliRunner().invoke(tlm_main, ["eval", str(bos_source), "--data", str(DATA), "--seq-len", "2"])
+    assert too_short.exit_code != 0 and "too short for the tokenizer's 1-token start of text" in too_short.output

@@ -79,7 +79,8 @@ def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, bat
                                       f"{len(prefix)}-token start of text; use at least {2 + len(prefix)}")
             result = strided_perplexity(model, ids, seq_len, stride, batch_size, prefix)
             lines.append({"model": model_path, "data": name, "tokens": int(len(ids)), "seq_len": seq_len,
-                          "stride": min(stride, seq_len - len(prefix)), "window_prefix": list(prefix), "scored_tokens": result.tokens, "windows": result.windows,
+                          "stride": min(stride, seq_len - len(prefix)), "window_prefix": list(prefix),
+                          "scored_tokens": result.tokens, "windows": result.windows,
                           "nll": result.nll, "perplexity": result.perplexity})
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)

@@ -33,6 +33,7 @@ from tlm_io.outputs import (check_free_space, check_output_given, check_output_p
                            output_run, save_errors, staged)
 from tlm_io.perplexity import perplexity
 from tlm_io.sizes import available_memory
+from tlm_io.text import text_prefix
 from tlm_train.budget import DEFAULT_MAX_HOURS, Limits
 
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
@@ -248,6 +249,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
             measured = measure_widths(model, calib, src.tlm_config, opts, settings, timer.on_phase is not None)
         reference, widths = widths, measured["widths"]
     report = report_head(src, opts, widths, calib)
+    report["block_prefix"] = list(text_prefix(tokenizer))  # what every calibration / evaluation block begins with
     if measured is not None:
         report.update(widths_cosine=reference, measured_profile=measured["profile"])
     report["notes"] = list(src.notes) + notes

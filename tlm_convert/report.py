@@ -35,6 +35,12 @@ def write_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _prefix(report: dict) -> str:
+    """Words for the start-of-text tokens every block begins with (Gemma's <bos>), or "" when there are none."""
+    prefix = report.get("block_prefix") or []
+    return f", each beginning with the tokenizer's start of text (ids {prefix})" if prefix else ""
+
+
 def _sources(report: dict) -> str:
     """The calibration sources in words (equal shares; ``self``: samples of the source model, in the file named)."""
     data = report["calibration_data"]
@@ -55,7 +61,7 @@ def write_markdown(report: dict, path: Path) -> None:
         f"mixer {report['mixer']}, export {report['export']}",
         f"- parameters: {report['params_before']:,} before, {report['params_after']:,} after",
         f"- calibration: {report['calibration_tokens']:,} tokens of {_sources(report)} "
-        f"in blocks of {report['seq_len']}" if report["calibration_tokens"] else
+        f"in blocks of {report['seq_len']}{_prefix(report)}" if report["calibration_tokens"] else
         "- calibration: none (an exact import: no layer resized, no neuron scores needed)",
     ]
     if "perplexity_before" in report:

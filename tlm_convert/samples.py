@@ -49,9 +49,9 @@ def sample_blocks(model, tokenizer, n: int, seq_len: int, seed: int = 0, batch_s
     lead = list(prefix) or [start]  # what generation starts from
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or (1 << 62)
     if max(lead) >= vocab:
-        raise ConversionError(f"--calibration-data self starts its samples from token {max(lead)} (the tokenizer's BOS or "
-                              f"EOS), beyond the model's vocabulary of {vocab}; use the model's own tokenizer or pass "
-                              "calibration text")
+        raise ConversionError(f"--calibration-data self starts its samples from token {max(lead)} (the tokenizer's "
+                              f"BOS or EOS), beyond the model's vocabulary of {vocab}; use the model's own tokenizer or "
+                              "pass calibration text")
     suppress = sorted({start, tokenizer.eos_token_id, *_config_eos(model)} - {None})  # no sample ends early
     suppress = [t for t in suppress if 0 <= t < vocab]
     device = next(model.parameters()).device

@@ -215,5 +215,5 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_tokens: int | None, wha
     return blocks[torch.linspace(0, total - 1, n, dtype=torch.float64).round().long()]
 
 
-__all__ = ["load_text", "text_prefix", "to_blocks", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources", "BUNDLED",
-           "EVAL_SETS", "IN_DOMAIN", "DATA_FORMATS"]
+__all__ = ["load_text", "text_prefix", "to_blocks", "token_blocks", "dataset_rows", "is_plain_text", "eval_sources",
+           "BUNDLED", "EVAL_SETS", "IN_DOMAIN", "DATA_FORMATS"]
