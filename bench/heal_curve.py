@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +60,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     report = json.loads(Path(args.baseline or Path(args.converted) / "conversion_report.json").read_text())
+    if "heal" in json.loads((Path(args.converted) / "conversion_report.json").read_text()):
+        sys.exit(f"error: {args.converted} holds a healed model (its report has a heal); the curve starts from a "
+                 "conversion without --heal-tokens")
     sets = report["perplexity_sets"]
     before = {s["data"]: s["before"] for s in sets}
     in_domain = {s["data"]: s["in_domain"] for s in sets}

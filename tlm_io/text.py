@@ -158,7 +158,7 @@ def _text_column(ds, source):
 def text_prefix(tokenizer) -> tuple[int, ...]:
     """The special token ids ``tokenizer`` puts before every text it encodes: Gemma's ``<bos>``; none for GPT-2,
     SmolLM2 or the byte tokenizer. Every block the library cuts from a text begins with them (:func:`to_blocks`), so
-    a model is calibrated, scored and trained on text that begins as it did in pretraining: Gemma 3 270M scores 2.3-2.5x
+    a model is calibrated, scored and trained on text that begins as it did in pretraining: Gemma 3 270M scores 2.2-2.5x
     its own perplexity on blocks without its ``<bos>``. Read by encoding one word with and without special tokens;
     () when the tokenizer adds nothing before it (or is None)."""
     if tokenizer is None:
