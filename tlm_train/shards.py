@@ -26,6 +26,7 @@ import bisect
 import json
 import logging
 import os
+import signal
 from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -197,7 +198,11 @@ _WORKER: GroupWriter | None = None
 
 
 def _init_worker(writer: GroupWriter) -> None:
+    """A pool worker's set-up. SIGTERM goes back to its default: a worker inherits the command's handler (which
+    raises, or ignores a second signal), and the pool's terminate() must end its workers, not leave one waiting on
+    the task queue while the command joins it."""
     global _WORKER
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER = writer
 
 
