@@ -327,4 +327,3 @@ def test_tokenize_never_reads_the_weights_of_init_from(tmp_path):
         load_model(str(source))
     tokenizer = recipe_tokenizer(recipe)
     assert tokenizer.get_vocab() == intact.get_vocab() and tokenizer("a b c").input_ids == intact("a b c").input_ids
-
