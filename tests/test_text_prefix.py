@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-import tlm_train.trainer as trainer_module
 from conftest import make_model
+from test_token_pipeline import record_batches
 from test_train import tiny_recipe
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
@@ -99,14 +99,7 @@ def test_samples_keep_the_prefix_and_their_text_leaves_it_out(bos_model, bos_tok
 
 
 def test_training_and_held_out_blocks_begin_with_the_prefix(tmp_path, monkeypatch, bos_tokenizer):
-    seen = []
-    original = trainer_module.lm_loss
-
-    def recording(logits, ids):
-        seen.append(ids.clone())
-        return original(logits, ids)
-
-    monkeypatch.setattr(trainer_module, "lm_loss", recording)
+    seen = record_batches(monkeypatch)
     recipe = tiny_recipe(tmp_path, train={"max_steps": 2}, log={"eval_every": 2, "save_every": 2})
     train(recipe_from_dict(recipe), model=make_model(vocab_size=len(bos_tokenizer)).train(), tokenizer=bos_tokenizer)
     assert seen and all((ids[:, 0] == BOS).all() and not (ids[:, 1:] == BOS).any() for ids in seen)

@@ -162,7 +162,7 @@ def test_the_loader_serves_each_rank_its_micro_batches_from_any_step(tmp_path, s
 # ---------------------------------------------------------------------------------------------- resume
 
 
-def _record_batches(monkeypatch) -> list:
+def record_batches(monkeypatch) -> list:
     seen = []
     original = trainer_module.lm_loss
 
@@ -180,7 +180,7 @@ def test_resume_from_a_mid_shard_checkpoint_sees_the_identical_batches(tmp_path,
     micro-batches and losses of the uninterrupted one (and those of a run without workers)."""
     write_docs(tmp_path / "docs.jsonl", n=120)
     data = {"train": str(tmp_path / "docs.jsonl"), "num_workers": 2}
-    seen = _record_batches(monkeypatch)
+    seen = record_batches(monkeypatch)
     full = train(recipe_from_dict(tiny_recipe(tmp_path, "full", data=data, train={"grad_accum": 2})))
     full_batches = list(seen)
     cache = next((tmp_path / "cache").glob("*/manifest.json")).parent
