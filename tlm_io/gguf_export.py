@@ -33,6 +33,7 @@ from tlm.modules import rope_inv_freq
 
 from .archs import GGUF_LLAMA_NAMES, layer_template
 from .errors import ConversionError, one_line
+from .gguf_reader import gguf_file
 from .hf_layout import check_mixers, check_round_trip, hf_state_dict_from_tlm, uniform_hf_config
 
 log = logging.getLogger(__name__)
@@ -155,10 +156,9 @@ def restore_digit_split(tokenizer, gguf_path) -> bool:
     """Put back the single-digit split of a tokenizer transformers read from a GGUF whose ``tokenizer.ggml.pre``
     has one (SmolLM's "smollm", ...): transformers builds a plain ByteLevel pre-tokenizer, which cuts "  12" as
     " ", " 1", "2" where the model's own tokenizer (and llama.cpp) cut "  ", "1", "2". Returns whether it changed."""
-    import gguf
     from tokenizers import pre_tokenizers
 
-    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+    field = gguf_file(gguf_path).fields.get("tokenizer.ggml.pre")
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if field is None or backend is None or field.contents() not in _DIGIT_SPLIT_PRES:
         return False

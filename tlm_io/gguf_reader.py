@@ -4,6 +4,8 @@ through transformers' GGUF loader (:func:`read_gguf_model`)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from pathlib import Path
 
@@ -16,6 +18,21 @@ from .readers import TensorIndex, prepare_tensor
 
 _FROM_GGUF = {gguf: name for name, gguf in GGUF_LLAMA_NAMES.items()}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_file(file):
+    """A ``gguf.GGUFReader`` of ``file``, shared by every call on the same unchanged file (same path, size and
+    modification time): parsing a header takes seconds (SmolLM2's holds 49,152 tokens and their merges), and loading
+    a model reads it for its tensors and again for its tokenizer."""
+    stat = os.stat(file)
+    return _reader(str(Path(file).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def _gguf_llama_name(name: str) -> str | None:
@@ -49,11 +66,11 @@ class GGUFTensors(TensorIndex):
     @classmethod
     def open(cls, file: Path, hf_config) -> GGUFTensors | None:
         try:
-            from gguf import GGUFReader
+            import gguf  # noqa: F401
         except ImportError:
             return None
         try:
-            reader = GGUFReader(str(file))
+            reader = gguf_file(file)
             field = reader.fields.get("general.architecture")
             arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
             if arch != "llama" or hf_config.model_type != "llama":
@@ -115,4 +132,4 @@ def read_gguf_model(file: Path, dtype: torch.dtype):
     return model.config, tensors, getattr(model, "generation_config", None)
 
 
-__all__ = ["GGUFTensors", "read_gguf_model", "read_gguf_tensors"]
+__all__ = ["GGUFTensors", "gguf_file", "read_gguf_model", "read_gguf_tensors"]
