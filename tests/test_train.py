@@ -516,6 +516,36 @@ def test_grown_neurons_learn_at_their_scaled_rate_with_the_same_moments():
     assert all(torch.equal(after[5.0][k], after[1.0][k]) for k in others)
 
 
+def test_a_relative_rate_is_lr_times_the_weights_rms_and_a_resume_keeps_it(tmp_path):
+    """optim.lr_relative: the rate is lr x the RMS of the starting model's trainable matrices; the run equals the run
+    at that absolute rate step for step, and a resumed run goes on at the start's rate (its weights have moved, so an
+    RMS read again would differ)."""
+    import shutil
+
+    from tlm_train.build import student_and_tokenizer
+    from tlm_train.checkpoints import seed_everything
+
+    relative = {"decay": "constant", "lr": 0.05, "min_lr": 0.05, "lr_relative": True}
+    rel = recipe_from_dict(tiny_recipe(tmp_path, "rel", optim=relative))
+    seed_everything(rel.seed)
+    start, _ = student_and_tokenizer(rel)  # the model the run builds from the recipe's seed
+    entries = torch.cat([p.detach().flatten() for p in start.parameters() if p.dim() >= 2])
+    rate = 0.05 * entries.pow(2).mean().sqrt().item()
+    full = train(rel)
+    logged = [m["lr"] for m in metrics(rel.output_dir) if "lr" in m]
+    assert logged[0] == pytest.approx(rate / 2, rel=1e-5) and logged[-1] == pytest.approx(rate, rel=1e-5)  # warmup 2
+    absolute = recipe_from_dict(tiny_recipe(tmp_path, "abs", optim={"decay": "constant", "lr": logged[-1],
+                                                                    "min_lr": logged[-1]}))
+    assert train(absolute).losses == full.losses
+    half = recipe_from_dict(tiny_recipe(tmp_path, "half", optim=relative))
+    train(half)
+    shutil.rmtree(Path(half.output_dir) / "checkpoint-6")
+    shutil.rmtree(Path(half.output_dir) / "final")
+    assert train(half, resume=True).losses == full.losses[3:]
+    with pytest.raises(RecipeError, match="optim.lr_relative: not under train.parallel fsdp"):
+        recipe_from_dict(tiny_recipe(tmp_path, optim={"lr_relative": True}, train={"parallel": "fsdp"}))
+
+
 def test_a_heal_with_grown_lr_scale_runs_and_its_recipe_is_checked(tmp_path):
     teacher, student = _grown_pair()
     recipe = tiny_recipe(tmp_path, "grown", distill={"teacher": "in memory", "alpha": 1.0},

@@ -236,16 +236,31 @@ def scale_updates(optimizer, slices: list[tuple[torch.nn.Parameter, int, int]], 
     optimizer.register_step_post_hook(scale_change)
 
 
-def make_optimizer(model, recipe: Recipe, device: torch.device):
-    """(AdamW over ``model``'s trainable parameters, its LambdaLR schedule of :func:`lr_factor`)."""
+def weight_rms(model) -> float:
+    """The RMS of every entry of ``model``'s trainable matrices (dim >= 2) together: the scale of its weights, which
+    ``optim.lr_relative`` multiplies the rate by."""
+    total, count = 0.0, 0
+    for p in model.parameters():
+        if p.requires_grad and p.dim() >= 2:
+            total += torch.linalg.vector_norm(p.detach(), dtype=torch.float32).item() ** 2
+            count += p.numel()
+    if not count:
+        raise RecipeError("optim.lr_relative: the model has no trainable matrix to take its weight scale from; "
+                          "use an absolute lr")
+    return math.sqrt(total / count)
+
+
+def make_optimizer(model, recipe: Recipe, device: torch.device, lr_scale: float = 1.0):
+    """(AdamW over ``model``'s trainable parameters at ``lr_scale`` x optim.lr (:func:`weight_rms` with
+    optim.lr_relative), its LambdaLR schedule of :func:`lr_factor`)."""
     o = recipe.optim
     fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  **fused)
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr * lr_scale, betas=tuple(o.betas),
+                                  eps=o.eps, **fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
     return optimizer, scheduler
 
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
-           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start", "param_groups",
+           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start", "param_groups", "weight_rms",
            "make_optimizer", "grown_neurons", "scale_updates"]

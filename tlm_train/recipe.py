@@ -75,6 +75,10 @@ class OptimSpec:
     # the MLP neurons past distill.teacher's width in their layer (those a conversion grew: growth appends them) learn
     # at this multiple of the rate: noise-initialised, they barely move at lr in a short heal
     grown_lr_scale: float = 1.0
+    # lr and min_lr are relative: the rate is lr x the RMS of the trainable matrices' entries at the run's start (one
+    # number per model, logged), so models whose weights differ in scale take steps of the same relative size (Gemma
+    # 3 270M's matrices have a fifth of SmolLM2-135M's RMS, and an absolute rate that heals one harms the other)
+    lr_relative: bool = False
 
 
 @dataclass
@@ -339,6 +343,9 @@ def _check_semantics(r: Recipe) -> list[str]:
     elif r.optim.grown_lr_scale != 1 and r.train.parallel == "fsdp":
         errors.append("optim.grown_lr_scale: not under train.parallel fsdp (a rank holds a shard of each matrix); use "
                       "ddp or leave it at 1")
+    if r.optim.lr_relative and r.train.parallel == "fsdp":
+        errors.append("optim.lr_relative: not under train.parallel fsdp (a rank holds a shard of each matrix, not "
+                      "the model's weight scale); use ddp or an absolute lr")
     if r.optim.grad_clip is not None and r.optim.grad_clip <= 0:
         errors.append(f"optim.grad_clip: must be > 0 or null, got {r.optim.grad_clip}")
     if r.data.num_proc < 1:
