@@ -302,6 +302,7 @@ def measure_heal(spec: dict):
         heal_wall += time.perf_counter() - start
         peak = peak_gb()
         (run_dir / STOP_FILE).unlink(missing_ok=True)
+        base["lr"] = result.lr  # the rate it trained at (the recipe's is relative to the weights' RMS)
         seg_tokens, seg_s = window_seconds(run_dir / "metrics.jsonl", step, result.steps, tokens)
         loop += seg_s
         step, tokens = result.steps, result.tokens

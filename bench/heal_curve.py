@@ -11,8 +11,9 @@ all-eval). Wall and CPU seconds (user + system of this process) are those of the
     python bench/heal_curve.py runs/conv --work runs/heal_curve --points 25000 50000 100000 200000 400000 \\
         --out bench/results/heal_curve.json
     # a sweep point: other settings, a shorter run, a cheaper evaluation
-    python bench/heal_curve.py runs/conv --work runs/sweep_lr3e-4 --points 25000 --set optim.lr=3e-4 \\
-        --set optim.min_lr=3e-4 --eval-tokens 4096 --out bench/results/heal_sweep.jsonl --append
+    python bench/heal_curve.py runs/conv --work runs/sweep_lr1e-3 --points 25000 --set optim.lr=1e-3 \\
+        --set optim.min_lr=1e-3 --eval-tokens 4096 --out bench/results/heal_sweep.jsonl --append
+    # (the recipe's rate is relative to the weights' RMS; --set optim.lr_relative=false makes it absolute)
 
 The JSON is rewritten after every point (a stopped run keeps the points it measured).
 """
@@ -102,7 +103,7 @@ def main() -> None:
         wall, cpu = wall + time.perf_counter() - wall0, cpu + time.process_time() - cpu0
         model, _, _ = load_model(str(run.final_dir), with_tokenizer=False)
         after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}
-        point = {"tokens": run.tokens, "steps": run.steps, "wall_seconds": wall, "cpu_seconds": cpu,
+        point = {"tokens": run.tokens, "steps": run.steps, "lr": run.lr, "wall_seconds": wall, "cpu_seconds": cpu,
                  "last_loss": run.losses[-1] if run.losses else None, **ratios(before, after, in_domain)}
         result["points"].append(point)
         print(json.dumps({k: point[k] for k in ("tokens", "wall_seconds", "cpu_seconds", "ood_geomean")}),

@@ -2,7 +2,8 @@
 cached teacher top-k, side by side, with tokens/s, peak RSS and where each step's time goes (issue 26, item 3).
 
 Variants, each one optimizer step of the heal recipe (tlm_convert.heal.HEAL_RECIPE: --batch blocks of --seq-len
-tokens in micro-batches of --micro, the recipe's trainable parameters unless --all-trainable, AdamW lr 1e-4 without weight decay, gradient clipping 1.0, KL at the recipe's temperature and alpha; bf16 autocast
+tokens in micro-batches of --micro, the recipe's trainable parameters unless --all-trainable, AdamW at the
+recipe's rate without weight decay, gradient clipping 1.0, KL at the recipe's temperature and alpha; bf16 autocast
 where tlm_train.trainer.bf16_is_fast, else fp32) on random tokens:
 
     plain         the ``tlm train`` step without a teacher: whole logits, next-token cross entropy
@@ -67,6 +68,7 @@ sys.path.insert(0, str(HERE.parent))
 import tlm_train.losses  # noqa: E402
 from tlm_convert.heal import HEAL_RECIPE  # noqa: E402
 from tlm_train.losses import HEAD_CHUNK, head_loss, teacher_topk  # noqa: E402
+from tlm_train.build import weight_rms  # noqa: E402
 from tlm_train.recipe import OptimSpec  # noqa: E402
 from tlm_train.teacher import store_for_autocast  # noqa: E402
 from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss, select_trainable  # noqa: E402
@@ -174,7 +176,8 @@ def build(model: str, quick: bool, all_trainable: bool = False):
 
 def optimizer(student) -> torch.optim.Optimizer:
     o = {**OptimSpec().__dict__, **HEAL_RECIPE["optim"]}
-    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=o["lr"],
+    lr = o["lr"] * (weight_rms(student) if o["lr_relative"] else 1.0)
+    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr,
                              betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
 
 

@@ -23,6 +23,7 @@ from tlm_convert import heal as heal_module
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_io.load import load_model
 from tlm_io.text import token_blocks
+from tlm_train.build import select_trainable, weight_rms
 from tlm_train.trainer import distill_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +52,11 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def fast_lr(monkeypatch):
-    """A learning rate that moves a tiny random model visibly in a few steps (the default suits SmolLM2)."""
+    """A learning rate that moves a tiny random model visibly in a few steps (the default suits SmolLM2): relative
+    as the recipe's, about 3e-3 for weights of RMS 0.02."""
     recipe = copy.deepcopy(heal_module.HEAL_RECIPE)
-    recipe["optim"].update(lr=3e-3, min_lr=3e-3, warmup_steps=1)
+    assert recipe["optim"]["lr_relative"]
+    recipe["optim"].update(lr=0.15, min_lr=0.15, warmup_steps=1)
     monkeypatch.setattr(heal_module, "HEAL_RECIPE", recipe)
 
 
@@ -92,6 +95,10 @@ def test_heal_lowers_the_distillation_loss_and_reports_three_perplexities(source
     healed_lines = [ln for ln in res.output.splitlines() if "healed" in ln and ln.startswith("perplexity on")]
     assert len(healed_lines) == 2, res.output
     assert "after healing (4,096 tokens" in (healed / "report.md").read_text()
+    converted, _, _ = load_model(str(plain), with_tokenizer=False)  # the model the heal started from
+    select_trainable(converted, heal_module.HEAL_RECIPE["train"]["trainable"])
+    assert report["heal"]["lr"] == pytest.approx(0.15 * weight_rms(converted), rel=1e-5)
+    assert f"lr {report['heal']['lr']:.3g} = 0.15 x the weights' RMS" in (healed / "report.md").read_text()
     # the heal's log is kept, its checkpoints and work folder are not
     assert sorted(p.name for p in (healed / "heal").iterdir()) == ["metrics.jsonl", "recipe.yaml",
                                                                    "run_summary.json"]

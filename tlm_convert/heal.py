@@ -52,13 +52,16 @@ KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 # The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
 # output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. A low learning rate, constant after a
 # short warmup: a higher one made longer heals worse, and a constant rate makes a heal of N tokens the first N tokens
-# of any longer one (the heal curve reads one run). bench/RESULTS.md ("Heal") has the runs behind these values.
+# of any longer one (the heal curve reads one run). The rate is relative to the weights' scale (optim.lr_relative:
+# 5.2e-4 x the RMS of the trainable matrices): SmolLM2-135M's RMS 0.19 gives it 9.9e-5, about the 1e-4 measured on
+# it; Gemma 3 270M's 0.034 gives it 1.8e-5, where an absolute 1e-4 made it worse than unhealed. bench/RESULTS.md
+# ("Heal") has the runs behind these values.
 # The one source of the heal's recipe: recipes/generate.py writes recipes/cpt/smollm2-135m-heal.yaml from it.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
-    "optim": {"lr": 1.0e-4, "min_lr": 1.0e-4, "warmup_steps": 5, "decay": "constant", "weight_decay": 0.0,
-              "grad_clip": 1.0},
+    "optim": {"lr": 5.2e-4, "min_lr": 5.2e-4, "lr_relative": True, "warmup_steps": 5, "decay": "constant",
+              "weight_decay": 0.0, "grad_clip": 1.0},
     # 4 x seq_len tokens a step in two micro-batches of 2 (the same step as one of 4, less activation memory); the
     # blocks train, the embedding (and the head tied to it) stays as the source's: the conversion does not change it,
     # and its gradient and AdamW moments are a third of a Gemma 3 heal's memory
@@ -162,7 +165,7 @@ def heal(model, teacher: str, src, tmp: Path, opts, evalb, report: dict, timer, 
         healed = result.model.to(dtype=getattr(torch, opts.dtype))
         report["heal"] = {"tokens": result.tokens, "steps": result.steps, "seconds": time.perf_counter() - wall0,
                           "cpu_seconds": time.process_time() - cpu0, "first_loss": result.losses[0],
-                          "last_loss": result.losses[-1], "recipe": recipe.to_dict()}
+                          "last_loss": result.losses[-1], "lr": result.lr, "recipe": recipe.to_dict()}
         _keep_log(result.output_dir, tmp / HEAL_DIR)
         shutil.rmtree(work)
     if evalb is not None:

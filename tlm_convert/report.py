@@ -41,6 +41,14 @@ def _prefix(report: dict) -> str:
     return f", each beginning with the tokenizer's start of text (ids {prefix})" if prefix else ""
 
 
+def _heal_rate(heal: dict) -> str:
+    """Words for the heal's learning rate (relative: the recipe's rate times the weights' RMS), or ""."""
+    lr, optim = heal.get("lr"), heal.get("recipe", {}).get("optim", {})
+    if lr is None:
+        return ""
+    return f", lr {lr:.3g}" + (f" = {optim['lr']:g} x the weights' RMS" if optim.get("lr_relative") else "")
+
+
 def _sources(report: dict) -> str:
     """The calibration sources in words (equal shares; ``self``: samples of the source model, in the file named)."""
     data = report["calibration_data"]
@@ -68,7 +76,7 @@ def write_markdown(report: dict, path: Path) -> None:
         lines.append("- perplexity before and after conversion, no training (quality returns with continued "
                      "pretraining):" if "heal" not in report else
                      f"- perplexity before and after conversion, and after healing ({report['heal']['tokens']:,} "
-                     "tokens of logit distillation from the source):")
+                     f"tokens of logit distillation from the source{_heal_rate(report['heal'])}):")
         lines += [f"  - {line}" for line in perplexity_lines(report)]
     if "widths_cosine" in report:
         lines.append("- measured widths: each layer's count of MLP neurons among the source's top half by Fisher "

@@ -89,6 +89,7 @@ class TrainResult:
     stopped: bool = False  # ended by a signal or the STOP file (a checkpoint was written)
     stop_reason: str | None = None  # "SIGINT", "SIGTERM" or "STOP" (the file) when stopped
     model: TLMForCausalLM | None = None  # the trained module (eval mode, on the run's device; sharded under FSDP)
+    lr: float | None = None  # the schedule's peak rate: optim.lr, times the weights' RMS with optim.lr_relative
 
 
 def training_blocks(tokenizer, recipe: Recipe, d: Dist, vocab: int) -> tuple[BatchOrder, torch.Tensor]:
@@ -305,7 +306,7 @@ class _Run:
         restore_student(core, self.came)
         result = TrainResult(self.out, final, self.step, self.step * self.tokens_per_step,
                              time.perf_counter() - start_wall, eval_loss, losses, stopped,
-                             (self.stop_requested or "STOP") if stopped else None, core)
+                             (self.stop_requested or "STOP") if stopped else None, core, self.scheduler.base_lrs[0])
         if d.main:
             write_summary(self.out, result.steps, result.tokens, result.eval_loss, not result.stopped,
                           "bf16" if self.bf16 else "fp32", result.seconds)
