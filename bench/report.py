@@ -155,7 +155,9 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
                          f"**x{p.get('ood_geomean', ood(p['ratio'], in_domain)):.3f}**", _0(p.get("cpu_seconds")),
                          _0(p.get("wall_seconds"))])
     lines = ["Ratios to the source after N tokens of logit distillation from it (the `--heal-tokens` recipe; "
-             "CPU and wall seconds of the training, cumulative).", ""]
+             "CPU and wall seconds of the training, cumulative). Rows whose label names no rate healed at the "
+             "recipe's absolute lr 1e-4 of their day; since commit 074aa73 the rate is relative to the weights' RMS "
+             "(5.2e-4 x RMS: 9.85e-5 on SmolLM2's default conversion, 1.8e-5 on Gemma 3 270M's).", ""]
     lines += markdown({"title": "", "columns": columns, "rows": rows})
     lines += grown_neurons_table(curves)
     if HEAL_PNG.exists():
