@@ -262,5 +262,5 @@ def make_optimizer(model, recipe: Recipe, device: torch.device, lr_scale: float 
 
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
-           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor", "wsd_decay_start", "param_groups", "weight_rms",
-           "make_optimizer", "grown_neurons", "scale_updates"]
+           "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor",
+           "wsd_decay_start", "param_groups", "weight_rms", "make_optimizer", "grown_neurons", "scale_updates"]
