@@ -180,6 +180,10 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     assert "| new_row | 4,096 | 1.500 | 1.200 | 1.100 | **x1.149** | 12 | 13 |" in text
     assert "command: `python bench/quality_ablation.py new_row`" in text
     assert "| new_row | 4,096 | 80 in 2 layers | 0.0100 | 0.0400 | 4.500 | 0.2000 / 0.3000 | 0.1000 / 0.1000 |" in text
+    assert text.count("| new_row | 0 |") == 1
+    (quality / "heal_new_row_again.json").write_text(json.dumps({**curve, "label": "again"}))  # the same conversion
+    text = report.render()
+    assert text.count("| new_row | 0 |") == 1 and "| again | 0 |" not in text and "| again | 4,096 |" in text
     (quality / "stray.json").write_text("{}")
     with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
         report.render()
