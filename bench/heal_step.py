@@ -67,8 +67,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import tlm_train.losses  # noqa: E402
 from tlm_convert.heal import HEAL_RECIPE  # noqa: E402
+from tlm_train.build import peak_lr  # noqa: E402
 from tlm_train.losses import HEAD_CHUNK, head_loss, teacher_topk  # noqa: E402
-from tlm_train.build import weight_rms  # noqa: E402
 from tlm_train.recipe import OptimSpec  # noqa: E402
 from tlm_train.teacher import store_for_autocast  # noqa: E402
 from tlm_train.trainer import bf16_is_fast, distill_loss, lm_loss, select_trainable  # noqa: E402
@@ -175,10 +175,9 @@ def build(model: str, quick: bool, all_trainable: bool = False):
 
 
 def optimizer(student) -> torch.optim.Optimizer:
-    o = {**OptimSpec().__dict__, **HEAL_RECIPE["optim"]}
-    lr = o["lr"] * (weight_rms(student) if o["lr_relative"] else 1.0)
-    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr,
-                             betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+    o = OptimSpec(**HEAL_RECIPE["optim"])
+    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=peak_lr(student, o),
+                             betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
 
 
 class Timer:

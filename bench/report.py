@@ -160,9 +160,9 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
                          _0(p.get("wall_seconds"))])
     lines = ["Ratios to the source after N tokens of logit distillation from it (the `--heal-tokens` recipe; "
              "CPU and wall seconds of the training, cumulative; point 0 once per conversion). Rows whose label "
-             "names no rate healed at the "
-             "recipe's absolute lr 1e-4 of their day; since commit 074aa73 the rate is relative to the weights' RMS "
-             "(5.2e-4 x RMS: 9.85e-5 on SmolLM2's default conversion, 1.8e-5 on Gemma 3 270M's).", ""]
+             "names no rate healed at the recipe's absolute lr 1e-4 of their day; since commit 074aa73 the rate is "
+             "relative to the weights' RMS (5.2e-4 x RMS: 9.85e-5 on SmolLM2's default conversion, 1.8e-5 on Gemma "
+             "3 270M's).", ""]
     lines += markdown({"title": "", "columns": columns, "rows": rows})
     lines += grown_neurons_table(curves)
     if HEAL_PNG.exists():

@@ -250,12 +250,17 @@ def weight_rms(model) -> float:
     return math.sqrt(total / count)
 
 
-def make_optimizer(model, recipe: Recipe, device: torch.device, lr_scale: float = 1.0):
-    """(AdamW over ``model``'s trainable parameters at ``lr_scale`` x optim.lr (:func:`weight_rms` with
-    optim.lr_relative), its LambdaLR schedule of :func:`lr_factor`)."""
+def peak_lr(model, o) -> float:
+    """The schedule's peak rate for ``model`` under the OptimSpec ``o``: o.lr, times :func:`weight_rms` with
+    o.lr_relative."""
+    return o.lr * (weight_rms(model) if o.lr_relative else 1.0)
+
+
+def make_optimizer(model, recipe: Recipe, device: torch.device):
+    """(AdamW over ``model``'s trainable parameters at :func:`peak_lr`, its LambdaLR schedule of :func:`lr_factor`)."""
     o = recipe.optim
     fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr * lr_scale, betas=tuple(o.betas),
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=peak_lr(model, o), betas=tuple(o.betas),
                                   eps=o.eps, **fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
     return optimizer, scheduler
@@ -263,4 +268,4 @@ def make_optimizer(model, recipe: Recipe, device: torch.device, lr_scale: float 
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
            "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor",
-           "wsd_decay_start", "param_groups", "weight_rms", "make_optimizer", "grown_neurons", "scale_updates"]
+           "wsd_decay_start", "param_groups", "weight_rms", "peak_lr", "make_optimizer", "grown_neurons", "scale_updates"]

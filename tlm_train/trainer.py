@@ -63,7 +63,7 @@ from tlm_io.text import text_prefix, to_blocks
 from .budget import TRAINING, Budget, Limits, Phase
 from .build import (bf16_is_fast, build_model_and_tokenizer, check_teacher, grown_neurons, load_pretrained, lr_factor,
                     make_optimizer, prepare_student, restore_student, scale_updates, schedule_factor,
-                    select_trainable, student_and_tokenizer, weight_rms, wsd_decay_start)
+                    select_trainable, student_and_tokenizer, wsd_decay_start)
 from .checkpoints import (STOP_FILE, CheckpointStore, discard_new_folder, fingerprint, list_checkpoints,
                           lock_run_folder, resume_path, seed_everything)
 from .data import CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, micro_batch_loader, recipe_tokens
@@ -173,12 +173,11 @@ class _Run:
         self.order, self.eval_blocks = training_blocks(self.tokenizer, r, d, model.config.vocab_size)
         self.tokens_per_step = self.order.global_batch * r.data.seq_len
         shapes = fingerprint(model, r, d.world)  # before FSDP shards the module
-        lr_scale = weight_rms(model) if r.optim.lr_relative else 1.0
-        if r.optim.lr_relative:
-            logger.info("optim.lr_relative: the rate is %g x the weights' RMS %.5f = %.3g", r.optim.lr, lr_scale,
-                        r.optim.lr * lr_scale)
         self.model = wrap(model, r.train.parallel, d)
-        self.optimizer, self.scheduler = make_optimizer(self.model, r, d.device, lr_scale)
+        self.optimizer, self.scheduler = make_optimizer(self.model, r, d.device)
+        if r.optim.lr_relative:
+            logger.info("optim.lr_relative: the rate is %g x the weights' RMS = %.3g", r.optim.lr,
+                        self.scheduler.base_lrs[0])
         if r.optim.grown_lr_scale != 1:
             grown = grown_neurons(model, self.distillation.teacher.config.intermediate_sizes)
             scale_updates(self.optimizer, grown, r.optim.grown_lr_scale)
