@@ -1,15 +1,16 @@
-"""One row of the conversion-quality ablation (issue 10 items 2-3): convert SmolLM2-135M in memory with the default
-options plus overrides, and measure perplexity on every bundled evaluation set against the source.
+"""One row of the conversion-quality ablation (issue 10 items 2-3): convert a source (SmolLM2-135M unless
+``--source`` names another) in memory with the default options plus overrides, and measure perplexity on every
+bundled evaluation set against the source.
 
-    python bench/quality_ablation.py NAME [--calibration-data SRC] [--calibration-tokens N] [--set FIELD=VALUE ...]
-        [--calibration-cache FILE] [--save DIR]
+    python bench/quality_ablation.py NAME [--source SRC] [--calibration-data SRC] [--calibration-tokens N]
+        [--set FIELD=VALUE ...] [--calibration-cache FILE] [--save DIR]
 
 ``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
 seconds (user+sys of this process, all threads) and wall seconds are recorded. Evaluation: the first 16,384 tokens
 of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
-512``; the source's perplexities are cached in bench/results/quality/source.json. Writes
-bench/results/quality/NAME.json.
+512``; the source's perplexities are cached in bench/results/quality/source.json (SmolLM2-135M) or
+source_SRC.json (another source). Writes bench/results/quality/NAME.json, which names its source.
 
 ``--calibration-cache FILE`` keeps the calibration blocks (and the ``self`` samples among them) in a safetensors
 file: the first row that names it draws them, later rows read the same tokens, so the rows of an ablation differ
@@ -45,6 +46,11 @@ RESULTS = Path(__file__).parent / "results" / "quality"
 SOURCE = "smollm2-135m"
 
 
+def source_cache(source: str) -> Path:
+    """Where the source's perplexities on the evaluation sets are kept (bench/report.py reads them too)."""
+    return RESULTS / ("source.json" if source == SOURCE else f"source_{source}.json")
+
+
 def parse_value(text: str):
     for kind in (int, float):
         try:
@@ -57,6 +63,7 @@ def parse_value(text: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
+    ap.add_argument("--source", default=SOURCE, help="the checkpoint to convert (a named source or a path)")
     ap.add_argument("--calibration-data", action="append", default=None,
                     help="repeat for a blend, each an equal share of --calibration-tokens ('self': samples of the "
                          "source) [the conversion's default]")
@@ -72,7 +79,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model, tokenizer, src = load_model(SOURCE)
+    model, tokenizer, src = load_model(args.source)
     opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
                           schedule=args.schedule)
     opts.validate()
@@ -80,7 +87,7 @@ def main() -> None:
     widths = plan_widths(src.tlm_config, opts)
     resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
     evalb = eval_set_blocks(tokenizer, "all-eval", opts.seq_len, opts.eval_tokens)
-    cache = RESULTS / "source.json"
+    cache = source_cache(args.source)
     before = json.loads(cache.read_text()) if cache.exists() else None
     if before is None or set(before) != set(evalb):
         before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
@@ -113,7 +120,7 @@ def main() -> None:
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
-    row = {"name": args.name, "schedule": opts.schedule, "widths": list(widths),
+    row = {"name": args.name, "source": args.source, "schedule": opts.schedule, "widths": list(widths),
            "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
            "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "model_scores"}, "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
@@ -123,18 +130,18 @@ def main() -> None:
            "ood_geomean": entries.get("perplexity_ratio_ood_geomean")}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(row, indent=1))
     if args.save:
-        save(model, src, tokenizer, samples, entries, sources, opts, Path(args.save))
+        save(model, src, tokenizer, samples, entries, sources, opts, Path(args.save), args.source)
     ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in row["sets"].items())
     print(f"{args.name}: ood_geomean={row['ood_geomean']:.4f} {ratios} cpu={cpu:.0f}s wall={wall:.0f}s")
     assert math.isfinite(row["ood_geomean"])
 
 
-def save(model, src, tokenizer, samples, entries, sources, opts, out: Path) -> None:
+def save(model, src, tokenizer, samples, entries, sources, opts, out: Path, source: str) -> None:
     """The converted model and what bench/heal_curve.py reads of a conversion report."""
     export_model(model, out, "tlm", src)
     if samples is not None:
         (out / SAMPLES_FILE).write_text(samples_text(tokenizer, samples), encoding="utf-8")
-    report = {"source": SOURCE, "calibration_data": list(sources), "seq_len": opts.seq_len, "seed": opts.seed,
+    report = {"source": source, "calibration_data": list(sources), "seq_len": opts.seq_len, "seed": opts.seed,
               **entries}
     (out / "conversion_report.json").write_text(json.dumps(report, indent=1))
 
