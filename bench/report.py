@@ -106,7 +106,7 @@ def quality_files() -> tuple[list[tuple[Path, dict]], list[tuple[Path, dict]]]:
             curves.append((path, data))
         elif "sets" in data and "ood_geomean" in data:
             rows.append((path, data))
-        elif path.name != "source.json":
+        elif not (path.name == "source.json" or path.name.startswith("source_")):  # the sources' perplexities
             raise ReportError(f"{shown(path)}: neither a quality row (sets, ood_geomean) nor a heal "
                               "curve (points); see bench/README.md 'Result files'")
     first = lambda item: (not item[1].get("default"), item[0].name)  # noqa: E731
@@ -118,11 +118,23 @@ def ood(ratios: dict, in_domain: set[str]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+SOURCE_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
 def quality_section(rows: list[tuple[Path, dict]]) -> list[str]:
-    if not rows:
-        return []
+    """One table per source (a row without ``source`` is SmolLM2-135M's), SmolLM2-135M's first."""
+    by_source: dict[str, list[tuple[Path, dict]]] = {}
+    for path, data in rows:
+        by_source.setdefault(data.get("source", "smollm2-135m"), []).append((path, data))
+    lines = []
+    for source, group in sorted(by_source.items(), key=lambda item: item[0] != "smollm2-135m"):
+        lines += source_table(SOURCE_NAMES.get(source, source), group)
+    return lines
+
+
+def source_table(title: str, rows: list[tuple[Path, dict]]) -> list[str]:
     names = list(rows[0][1]["sets"])
-    lines = ["### SmolLM2-135M right after conversion (bench/results/quality/)", ""]
+    lines = [f"### {title} right after conversion (bench/results/quality/)", ""]
     columns = ["row", *(SET_LABELS.get(n, n) for n in names), "OOD", "convert CPU s", "file"]
     table_rows = []
     for path, data in rows:
@@ -131,11 +143,9 @@ def quality_section(rows: list[tuple[Path, dict]]) -> list[str]:
                                                             for n in names),
                            f"**x{data['ood_geomean']:.3f}**", _0(data.get("convert_cpu_s")), path.name])
     lines += markdown({"title": "", "columns": columns, "rows": table_rows})
-    source = QUALITY / "source.json"
-    if source.exists():
-        ppl = load(source)
-        lines += [f"Source perplexities (bench/results/quality/source.json): "
-                  + ", ".join(f"{SET_LABELS.get(k, k)} {v:.3f}" for k, v in ppl.items()) + ".", ""]
+    before = rows[0][1]["sets"]
+    lines += ["Source perplexities (each row's `before`): "
+              + ", ".join(f"{SET_LABELS.get(k, k)} {v['before']:.3f}" for k, v in before.items()) + ".", ""]
     lines += ["Commands and machines:", ""]
     lines += [f"- {data.get('label', data['name'])}: {provenance(data)}" for _, data in rows]
     return lines + [""]

@@ -184,6 +184,14 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     (quality / "heal_new_row_again.json").write_text(json.dumps({**curve, "label": "again"}))  # the same conversion
     text = report.render()
     assert text.count("| new_row | 0 |") == 1 and "| again | 0 |" not in text and "| again | 4,096 |" in text
+    gemma = {**row, "name": "gemma_row", "label": "a Gemma row", "source": "gemma3-270m",
+             "sets": {k: {**v, "before": 20.0} for k, v in row["sets"].items()}}
+    (quality / "gemma_row.json").write_text(json.dumps(gemma))
+    (quality / "source_gemma3-270m.json").write_text(json.dumps({k: 20.0 for k in ratios}))  # the cache: no row
+    text = report.render()
+    smol, gem = text.index("### SmolLM2-135M right after conversion"), text.index("### Gemma 3 270M right after")
+    assert smol < text.index("| a new row |") < gem < text.index("| a Gemma row |")  # a table per source
+    assert "Source perplexities (each row's `before`): default-eval (cal. domain) 20.000," in text[gem:]
     (quality / "stray.json").write_text("{}")
     with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
         report.render()
