@@ -72,14 +72,23 @@ def main() -> None:
         current = str(run.final_dir)
     model, tokenizer, _ = load_model(current)
     evalb = eval_set_blocks(tokenizer, "all-eval", 512, 16384)
-    before = json.loads((RESULTS / "source.json").read_text())
     after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}
     seconds = time.process_time() - cpu0, time.perf_counter() - wall0
+    before = source_perplexity(args.source, evalb)  # not in the run's seconds
     result = curve(args, before, after, stages, *seconds)
     Path(args.out).write_text(json.dumps(result, indent=1))
     point = result["points"][-1]
     print(f"{result['label']}: ood_geomean={point['ood_geomean']:.4f} "
           + " ".join(f"{k}={v:.3f}" for k, v in point["ratio"].items()))
+
+
+def source_perplexity(source: str, evalb: dict) -> dict:
+    """The source's perplexity per set: SmolLM2-135M's from bench/quality_ablation.py's cache (source.json), any
+    other source's measured here."""
+    if source == "smollm2-135m":
+        return json.loads((RESULTS / "source.json").read_text())
+    model = load_model(source, with_tokenizer=False)[0]
+    return {name: perplexity(model, blocks) for name, blocks in evalb.items()}
 
 
 def curve(args, before: dict, after: dict, stages: list[dict], cpu_s: float, wall_s: float) -> dict:
