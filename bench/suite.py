@@ -306,10 +306,6 @@ BENCHMARKS = {b.name: b for b in [
     Benchmark("gemma3", "quality", "Gemma 3 270M: the second family, converted and healed",
               ["bench/convert_run.py", "--", "gemma3-270m", "--eval-data", "all-eval", "--heal-tokens", "24576"],
               tables=convert_run_tables),
-    Benchmark("gemma3-measured", "quality", "Gemma 3 270M with --schedule measured-taper, converted and healed",
-              ["bench/convert_run.py", "--", "gemma3-270m", "--schedule", "measured-taper", "--eval-data", "all-eval",
-               "--heal-tokens", "24576"],
-              tables=convert_run_tables),
     Benchmark("gpu", "other", "GPU readiness: tokens/s, MFU, peak memory of the 435M recipes",
               ["bench/gpu_check.py"], quick=["--dry"], tables=gpu_tables),
 ]}
