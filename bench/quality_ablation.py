@@ -47,7 +47,7 @@ SOURCE = "smollm2-135m"
 
 
 def source_cache(source: str) -> Path:
-    """Where the source's perplexities on the evaluation sets are kept (bench/report.py reads them too)."""
+    """Where the source's perplexities on the evaluation sets are kept (read by the next row of that source)."""
     return RESULTS / ("source.json" if source == SOURCE else f"source_{source}.json")
 
 
