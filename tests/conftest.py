@@ -6,7 +6,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(2)
+# one intra-op thread per test process: the tensors are tiny, and pytest-xdist (setup.cfg) runs two processes
+# on two cores (test_analyze.py set 1 at import before, which held for the whole session)
+torch.set_num_threads(1)
 
 import tlm  # noqa: E402  (registers the Auto classes)
 
@@ -55,15 +57,6 @@ def make_model(mixer="attention", seed=0, randomize=True, **overrides):
     torch.manual_seed(seed)
     model = tlm.TLMForCausalLM(tiny_config(mixer, **overrides)).eval()
     return randomize_(model, seed=seed) if randomize else model
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and stall badly on a shared 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ from tlm_train.analyze import (
 from conftest import make_model
 from tiny_sources import DATA, FAMILIES, make_source, tiny_tokenizer
 
-torch.set_num_threads(1)
 N = 12
 
 

@@ -23,7 +23,6 @@ B = 3
 LR = 0.05
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(autouse=True)

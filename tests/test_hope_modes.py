@@ -11,7 +11,6 @@ from tlm.cms import ContinuumMemory, cms_num_params, parse_mode
 from tlm.slow import SlowLevels
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def test_parse_mode():

@@ -28,7 +28,6 @@ HIDDEN, HEADS, HEAD_DIM, N_TOK, CHUNK = 24, 3, 5, 23, 4
 ATOL = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def make_memory(depth=2, chunk_size=CHUNK, seed=0, surprise_clip=None, dtype=torch.float32, **kw) -> NeuralMemory:
