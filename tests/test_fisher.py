@@ -52,9 +52,12 @@ def _reference_fisher(model, blocks, seed):
     return scores
 
 
-def test_fisher_scores_equal_the_explicit_mask_fisher():
+@pytest.mark.parametrize("head_positions", [None, 5])  # the head's gradient in one chunk, or 5 positions at a time
+def test_fisher_scores_equal_the_explicit_mask_fisher(monkeypatch, head_positions):
     torch.manual_seed(0)
     model = make_model(seed=1).double().eval()
+    if head_positions:
+        monkeypatch.setattr(fisher, "HEAD_CHUNK_BYTES", 4 * model.config.vocab_size * head_positions)
     blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
     # batch_size 1: the reference draws its targets one sequence at a time from one generator, as this does
     ours = fisher_scores(model, blocks, seed=5, batch_size=1)
@@ -76,11 +79,23 @@ def test_fisher_scores_are_deterministic_and_batching_only_changes_the_draw():
     assert all(p.grad is None for p in model.parameters())  # no parameter gradients were formed
 
 
+def test_max_blocks_scores_an_evenly_spread_subset():
+    # the calibration sources are concatenated (bundled text, then self samples): the subset takes from each
+    model = make_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (7, 10), generator=torch.Generator().manual_seed(2))
+    spread = fisher_scores(model, blocks, seed=3, max_blocks=3)
+    assert all(torch.equal(a, b) for a, b in zip(spread, fisher_scores(model, blocks[[0, 3, 6]], seed=3)))
+    every = fisher_scores(model, blocks, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(every, fisher_scores(model, blocks, seed=3, max_blocks=7)))
+    assert any(not torch.equal(a, b) for a, b in zip(every, spread))
+
+
 def test_the_backward_batch_follows_the_memory_budget(monkeypatch):
     model = make_model(seed=1).double().eval()
     blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
     per_row = fisher.backward_bytes_per_row(model, 12)
-    assert per_row > 12 * 4 * 4 * model.config.vocab_size  # the logits and the layers' activations
+    config = model.config  # the layers' saved activations (the logits are formed a chunk at a time, not kept)
+    assert per_row > 12 * 8 * config.num_hidden_layers * (config.hidden_size + max(config.intermediate_sizes))
     one_at_a_time = fisher_scores(model, blocks, seed=5, batch_size=1)
     monkeypatch.setattr(fisher, "BACKWARD_BUDGET", 2 * per_row - 1)  # room for one sequence, not two
     budgeted = fisher_scores(model, blocks, seed=5, batch_size=8)

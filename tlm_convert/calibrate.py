@@ -161,6 +161,7 @@ class LayerSettings:
     reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
     reconstruct_lr: float = 1e-4
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
+    fisher_blocks: int = 0  # the Fisher pre-pass's calibration blocks, evenly spread over them; 0: every block
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
 
@@ -169,7 +170,7 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, prog
     TLMForCausalLM in memory) before the layer loop changes it; a no-op for the per-layer metrics."""
     if settings.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
-                                              progress=progress)
+                                              progress=progress, max_blocks=settings.fisher_blocks)
 
 
 @dataclass

@@ -387,7 +387,8 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     neurons among the model's top half is its removal-cost profile, and the widths follow it at the source's
     parameter count (tlm.schedule.measured_widths), between the ratio's two multipliers of D (1.5/0.5: 0.5 D to
     1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
-    scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress)
+    scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
+                           max_blocks=settings.fisher_blocks)
     if settings.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)

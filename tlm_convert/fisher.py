@@ -20,7 +20,8 @@ layer loop (no parameter gradients are formed: the embeddings' output is the onl
 layer loop then keeps each shrinking layer's top-scored neurons and refits its down projection as for any score
 (calibrate.convert_layers); growing layers keep every neuron. It needs the whole model in memory, and runs as many
 sequences per backward pass as fit ``BACKWARD_BUDGET`` (one at a time for SmolLM2-135M and Gemma 3 270M at 512
-tokens: at eight, the logits and saved activations took SmolLM2's conversion to 9.4 GB).
+tokens). The head's gradient is formed a few positions at a time, so the (B, S, V) logits are never held: Gemma 3's
+262,144-token vocabulary made them 2 GB a sequence, four times over.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-BACKWARD_BUDGET = 1 << 30  # bytes a backward batch may hold: its logits and the activations autograd keeps
+BACKWARD_BUDGET = 1 << 30  # bytes a backward batch may hold: the activations autograd keeps
+HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient (a few positions' worth)
 
 
-def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8,
-                  progress: bool = False) -> list[torch.Tensor]:
+def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
+                  max_blocks: int = 0) -> list[torch.Tensor]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
-    the calibration ``blocks`` (n, S). Deterministic for a seed; the model's parameters and the global random state
-    are left as they were."""
+    the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all). Deterministic for a seed;
+    the model's parameters and the global random state are left as they were."""
+    if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
+        blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
     layers = model.model.layers
     rows = max(1, min(batch_size, BACKWARD_BUDGET // backward_bytes_per_row(model, blocks.shape[1])))
     scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
@@ -56,7 +60,7 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
                 hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score)).remove)
             for first in range(0, len(blocks), rows):
                 ids = blocks[first : first + rows].to(device)  # (B, S)
-                _sampled_loglik(model, ids, gen).backward()
+                _backward_sampled_loglik(model, ids, gen)
                 bar.update(ids.shape[0])
     finally:
         for p in frozen:
@@ -65,14 +69,14 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
 
 
 def backward_bytes_per_row(model, seq_len: int) -> int:
-    """Estimated bytes one sequence of ``seq_len`` tokens holds at the peak of the pre-pass's backward: its fp32
-    logits four times over (the logits, the sampling softmax, cross-entropy's log-softmax, their gradient) and, per
-    layer, the activations autograd saves (about 8 hidden-size and 5 MLP-width vectors a token in the model's dtype):
-    about 1.2 GB for one 512-token sequence of SmolLM2-135M, 2.7 GB of Gemma 3 270M."""
+    """Estimated bytes one sequence of ``seq_len`` tokens holds at the peak of the pre-pass's backward: per layer,
+    the activations autograd saves (about 8 hidden-size and 5 MLP-width vectors a token in the model's dtype; the
+    logits are formed a chunk at a time and not kept): about 0.75 GB for one 512-token sequence of SmolLM2-135M,
+    0.57 GB of Gemma 3 270M."""
     config = model.config
     width = max(config.intermediate_sizes)
     item = next(model.parameters()).element_size()
-    per_token = 4 * 4 * config.vocab_size + item * config.num_hidden_layers * (8 * config.hidden_size + 5 * width)
+    per_token = item * config.num_hidden_layers * (8 * config.hidden_size + 5 * width)
     return seq_len * per_token
 
 
@@ -98,15 +102,24 @@ class _MaskGradient:
             a.register_hook(add)
 
 
-def _sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """log p(y | ids) summed over every position, y drawn from the model's own next-token distribution."""
-    logits = model(input_ids=ids, use_cache=False).logits  # (B, S, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    with torch.no_grad():
-        probs = F.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])  # (B*S, V)
-        targets = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (B*S,)
-        del probs
-    return -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum")
+def _backward_sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator) -> None:
+    """Backpropagate log p(y | ids) summed over every position, y drawn from the model's own next-token
+    distribution. The head's share is formed a chunk of positions at a time (``HEAD_CHUNK_BYTES`` of logits), so the
+    (B, S, V) logits are never held: with z = h W^T, d log p(y) / dz = onehot(y) - softmax(z), and the gradient
+    reaching the last hidden state h is that times W; one backward pass of the body takes it from there."""
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, S, H), after the final norm
+    weight = model.lm_head.weight  # (V, H)
+    flat = hidden.detach().flatten(0, 1)  # (B*S, H)
+    grad = torch.empty_like(flat)
+    step = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
+    for first in range(0, len(flat), step):
+        rows = slice(first, first + step)
+        logits = model.lm_head(flat[rows])  # (c, V)
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        targets = torch.multinomial(probs, 1, generator=gen)  # (c, 1)
+        probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # p - onehot(y)
+        grad[rows] = probs.neg().to(weight.dtype) @ weight  # (c, H): d log p(y) / dh
+    hidden.backward(grad.view_as(hidden))
 
 
 def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[float]:
