@@ -262,14 +262,15 @@ def test_calibration_blocks_are_spread_over_the_whole_text():
 
 
 def test_importance_default_depends_on_the_policy():
-    # OBS (the best measured) by default; with --low-memory only while its dense I x I matrices fit the budget
+    # fisher (the best measured) by default in memory; --low-memory never holds the whole model: OBS while its dense
+    # I x I matrices fit the budget, else activation
     from tlm_convert.calibrate import LOW_MEMORY
     from tlm_convert.convert import resolve_importance
 
     in_memory, low = ConvertOptions(), ConvertOptions(low_memory=True)
     in_memory.validate()
     low.validate()
-    assert (in_memory.importance, low.importance) == ("obs", None)
+    assert (in_memory.importance, low.importance) == ("fisher", None)
     assert resolve_importance(low, 1536) == [] and low.importance == "obs"  # SmolLM2's MLP: 94 MB of matrices
     wide = ConvertOptions(low_memory=True)
     wide.validate()

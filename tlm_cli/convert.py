@@ -43,7 +43,7 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
 @click.option("--seq-len", type=int, default=DEFAULTS.seq_len, show_default=True)
 @click.option("--importance", default=DEFAULTS.importance,
               type=click.Choice(METRICS),
-              help="How shrinking layers choose their neurons [default: obs; with --low-memory while its I x I "
+              help="How shrinking layers choose their neurons [default: fisher; with --low-memory obs while its I x I "
                    "matrices fit the budget, else activation].")
 @click.option("--grow-init", default=DEFAULTS.grow_init, show_default=True, type=click.Choice(GROW_INITS))
 @click.option("--refit/--no-refit", default=DEFAULTS.refit, show_default=True,

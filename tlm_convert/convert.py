@@ -71,7 +71,8 @@ class ConvertOptions:
     # DEFAULT_CALIBRATION, or the bundled sample alone with low_memory (no model in memory to sample from)
     calibration_tokens: int = 65536
     seq_len: int = 512
-    importance: str | None = None  # default: "obs" (best measured; with low_memory while it fits the budget)
+    importance: str | None = None  # default: "fisher" (best measured); with low_memory "obs" while it fits the
+    # budget, else "activation" (fisher needs the whole model)
     grow_init: str = "noise"
     refit: bool = True
     refit_target: str = "residual"
@@ -100,11 +101,11 @@ class ConvertOptions:
                              scores_needed=self.mixer in SCORED_MIXERS)
 
     def validate(self) -> None:
-        """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "obs" (structured
-        OBS, the best variant measured on SmolLM2, bench/RESULTS.md); with ``low_memory`` the default is chosen
-        once the MLP width is known (:func:`resolve_importance`)."""
+        """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "fisher" (the whole
+        model's cost, measured best on SmolLM2-135M and Gemma 3 270M, bench/RESULTS.md); with ``low_memory``, which
+        never holds the whole model, the default is chosen once the MLP width is known (:func:`resolve_importance`)."""
         if self.importance is None and not self.low_memory:
-            self.importance = "obs"
+            self.importance = "fisher"
         self.calibration_data = calibration_sources(self.calibration_data, self.low_memory)
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),

@@ -10,24 +10,26 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ``activation``  sqrt( Σ_s ( mean_t |a_stj| )² ): mean over each sequence's tokens, L2 across sequences
                 (Minitron, arXiv 2407.14679; the post-gating input as in NVIDIA ModelOpt). The default of
                 ``--low-memory`` when OBS's I × I matrices exceed its budget, and the profile every report plots.
-``obs``         the default. Not a per-neuron score: shrinking layers remove neurons
-                greedily by their cost *after* least-squares compensation, ‖d_j‖² / [G⁻¹]_jj with G = AᵀA
-                the activations' second moments (structured Optimal Brain Surgeon, compensate.obs_prune),
-                starting from the least-squares optimum of the refit target; the profile uses ``activation``
+``obs``         the default of ``--low-memory`` while its matrices fit. Not a per-neuron score: shrinking
+                layers remove neurons greedily by their cost *after* least-squares compensation,
+                ‖d_j‖² / [G⁻¹]_jj with G = AᵀA the activations' second moments (structured Optimal Brain
+                Surgeon, compensate.obs_prune), starting from the least-squares optimum of the refit target;
+                the profile uses ``activation``
 ``wanda_sp``    ‖a_:j‖₂ · ‖d_j‖₂ over all calibration tokens: the Frobenius norm of the neuron's output
 ``wifv``        Var_n(a_nj) · ‖d_j‖₂² (FLAP, arXiv 2312.11983)
 ``magnitude``   mean(‖g_j‖², ‖u_j‖², ‖d_j‖²) — weights only (collapses without recovery; ablation)
 ``random``      U(0, 1) from the seed (ablation floor)
-``fisher``      the diagonal Fisher information of the model's own next-token distribution with respect to a
-                mask on each neuron: what removing it costs the whole model's output (KL to the source), not
-                one layer's; scored before the layer loop on the source model (tlm_convert.fisher)
+``fisher``      the default (in memory): the diagonal Fisher information of the model's own next-token
+                distribution with respect to a mask on each neuron: what removing it costs the whole
+                model's output (KL to the source), not one layer's; scored before the layer loop on the
+                source model (tlm_convert.fisher)
 ``fisher_obs``  OBS's greedy removal with each neuron's local cost weighted by its Fisher *sensitivity*,
                 F_j / (Σ a_j² · ‖d_j‖²): the model's output cost per unit of output energy of the neuron, so
                 OBS's compensated error is counted in what it does to the whole model (:func:`sensitivity`)
 ==============  ==================================================================================
 
-bench/RESULTS.md holds the measured comparison of the metrics on SmolLM2-135M (``obs`` with the residual refit
-target measured best).
+bench/RESULTS.md holds the measured comparison of the metrics on SmolLM2-135M and Gemma 3 270M (``fisher`` measured
+best on both, right after conversion and after a heal; ``obs`` best of the per-layer metrics).
 """
 
 from __future__ import annotations
