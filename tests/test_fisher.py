@@ -90,6 +90,17 @@ def test_max_blocks_scores_an_evenly_spread_subset():
     assert any(not torch.equal(a, b) for a, b in zip(every, spread))
 
 
+def test_seq_len_scores_the_blocks_cut_into_shorter_sequences():
+    model = make_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
+    cut = fisher_scores(model, blocks, seed=3, seq_len=5)  # the 11th token of every block is dropped
+    pieces = blocks[:, :10].reshape(6, 5)  # block 0's two halves, then block 1's, ...
+    assert all(torch.equal(a, b) for a, b in zip(cut, fisher_scores(model, pieces, seed=3)))
+    whole = fisher_scores(model, blocks, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, fisher_scores(model, blocks, seed=3, seq_len=11)))
+    assert any(not torch.equal(a, b) for a, b in zip(whole, cut))
+
+
 def test_the_backward_batch_follows_the_memory_budget(monkeypatch):
     model = make_model(seed=1).double().eval()
     blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))

@@ -162,6 +162,7 @@ class LayerSettings:
     reconstruct_lr: float = 1e-4
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
     fisher_blocks: int = 0  # the Fisher pre-pass's calibration blocks, evenly spread over them; 0: every block
+    fisher_seq_len: int = 0  # the Fisher pre-pass's sequence length (blocks cut into pieces); 0: the blocks'
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
 
@@ -170,7 +171,8 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, prog
     TLMForCausalLM in memory) before the layer loop changes it; a no-op for the per-layer metrics."""
     if settings.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
-                                              progress=progress, max_blocks=settings.fisher_blocks)
+                                              progress=progress, max_blocks=settings.fisher_blocks,
+                                              seq_len=settings.fisher_seq_len)
 
 
 @dataclass

@@ -38,12 +38,16 @@ HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient 
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
-                  max_blocks: int = 0) -> list[torch.Tensor]:
+                  max_blocks: int = 0, seq_len: int = 0) -> list[torch.Tensor]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
-    the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all). Deterministic for a seed;
-    the model's parameters and the global random state are left as they were."""
+    the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
+    ``seq_len`` tokens (0: S; a shorter one squares more, shorter sums: the same tokens, less cross-position noise,
+    less context). Deterministic for a seed; the model's parameters and the global random state are left as they
+    were."""
     if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
+    if 0 < seq_len < blocks.shape[1]:
+        blocks = blocks[:, : blocks.shape[1] // seq_len * seq_len].reshape(-1, seq_len)  # (n * S // seq_len, seq_len)
     layers = model.model.layers
     rows = max(1, min(batch_size, BACKWARD_BUDGET // backward_bytes_per_row(model, blocks.shape[1])))
     scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
