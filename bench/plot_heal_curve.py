@@ -2,7 +2,7 @@
 
 Reads bench/heal_curve.py outputs (one JSON object, or JSON lines with --append: one run per line) and draws one
 line per run (its points in token order), labelled by its ``label`` or else its student folder's name and its recipe
-overrides:
+overrides; one panel per source model (the run's ``teacher``), the default's curve in black, issue 23's targets in red:
 
     python bench/plot_heal_curve.py bench/results/heal_curve_mix_lr1e-4_b4.json \\
         bench/results/heal_self_400k_cos3e-4.jsonl --out bench/results/heal_curves.png
@@ -42,19 +42,27 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    panels = {}  # teacher -> its runs: one panel per source model
     for path in args.files:
         for run in runs(path):
+            panels.setdefault(run.get("teacher", "smollm2-135m"), []).append(run)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.2), squeeze=False, sharey=True)
+    for ax, (teacher, group) in zip(axes[0], sorted(panels.items(), key=lambda kv: kv[0] != "smollm2-135m")):
+        colors = iter(plt.get_cmap("tab20").colors)
+        for run in group:
             points = sorted(run["points"], key=lambda p: p["tokens"])
             tokens = [max(p["tokens"], 1e4) for p in points]  # the 0 point drawn at the axis' left edge
-            ax.plot(tokens, [p["ood_geomean"] for p in points], marker="o", label=label(run))
-    ax.axhline(1.10, color="grey", linestyle="--", linewidth=1, label="issue target x1.10")
-    ax.set_xscale("log")
-    ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
-    ax.set_ylabel("perplexity / source's, OOD geometric mean")
-    ax.set_title("Healing by distillation, 1.5/0.5: SmolLM2-135M (Gemma 3 where labelled)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+            style = dict(color="black", linewidth=2.5, zorder=3) if run.get("default") else dict(color=next(colors))
+            ax.plot(tokens, [p["ood_geomean"] for p in points], marker="o", label=label(run), **style)
+        ax.plot([1e4, 24576], [1.30, 1.25], linestyle="none", marker="*", markersize=12, color="red",
+                label="issue 23 targets: x1.30 converted, x1.25 at 25k tokens")
+        ax.axhline(1.15, color="red", linestyle="--", linewidth=1, label="issue 23 target: x1.15 within 1 h of CPU")
+        ax.set_xscale("log")
+        ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
+        ax.set_title(f"{teacher}: healing by distillation, 1.5/0.5")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    axes[0][0].set_ylabel("perplexity / source's, OOD geometric mean (the default: black)")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)

@@ -162,15 +162,16 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
         in_domain = set(data.get("in_domain", ["default-eval"]))
         for p in sorted(data["points"], key=lambda p: p["tokens"]):
             if p["tokens"] == 0:
-                if data["converted"] in started:
-                    continue  # the same conversion's point 0 is in the table already
+                if data["converted"] in started or len(data["points"]) < 3:
+                    continue  # in the table already, or a one-point heal's start: its row in section 1
                 started.add(data["converted"])
             rows.append([data.get("label", Path(data["converted"]).name), p["tokens"],
                          *(_3(p["ratio"].get(n)) for n in names),
                          f"**x{p.get('ood_geomean', ood(p['ratio'], in_domain)):.3f}**", _0(p.get("cpu_seconds")),
                          _0(p.get("wall_seconds"))])
     lines = ["Ratios to the source after N tokens of logit distillation from it (the `--heal-tokens` recipe; "
-             "CPU and wall seconds of the training, cumulative; point 0 once per conversion). Rows whose label "
+             "CPU and wall seconds of the training, cumulative; point 0 once per curve of several points: a one-point "
+             "heal starts from its conversion's row in section 1). Rows whose label "
              "names no rate healed at the recipe's absolute lr 1e-4 of their day; since commit 074aa73 the rate is "
              "relative to the weights' RMS (5.2e-4 x RMS: 9.85e-5 on SmolLM2's default conversion, 1.8e-5 on Gemma "
              "3 270M's).", ""]

@@ -164,7 +164,8 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
                                       for k, v in ratios.items()}, "ood_geomean": (1.2 * 1.25) ** 0.5}
     curve = {"converted": "runs/q/new_row", "source_perplexity": {k: 10.0 for k in ratios}, "machine": "test",
              "points": [{"tokens": 0, "ratio": ratios}, {"tokens": 4096, "ratio": {**ratios, "eval-code": 1.1},
-                                                         "cpu_seconds": 12.0, "wall_seconds": 13.0}]}
+                                                         "cpu_seconds": 12.0, "wall_seconds": 13.0},
+                        {"tokens": 8192, "ratio": {**ratios, "eval-code": 1.05}}]}
     rows = [{"grown": 40, "grown_down_norm_before": 0.01, "grown_down_norm_after": 0.03, "source_down_norm_before": 4.0,
              "source_down_norm_after": 4.5, "grown_gate_proj_moved": 0.2, "source_gate_proj_moved": 0.1,
              "grown_up_proj_moved": 0.3, "source_up_proj_moved": 0.1} for _ in range(2)]
@@ -184,6 +185,10 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
     (quality / "heal_new_row_again.json").write_text(json.dumps({**curve, "label": "again"}))  # the same conversion
     text = report.render()
     assert text.count("| new_row | 0 |") == 1 and "| again | 0 |" not in text and "| again | 4,096 |" in text
+    one = {**curve, "converted": "runs/q/one_point", "label": "one point", "points": curve["points"][:2]}
+    (quality / "heal_one_point.json").write_text(json.dumps(one))  # its start is its conversion's row
+    text = report.render()
+    assert "| one point | 0 |" not in text and "| one point | 4,096 |" in text
     gemma = {**row, "name": "gemma_row", "label": "a Gemma row", "source": "gemma3-270m",
              "sets": {k: {**v, "before": 20.0} for k, v in row["sets"].items()}}
     (quality / "gemma_row.json").write_text(json.dumps(gemma))
