@@ -42,8 +42,8 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
     the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
     ``seq_len`` tokens (0: S; a shorter one squares more, shorter sums: the same tokens, less cross-position noise,
-    less context). Deterministic for a seed; the model's parameters and the global random state are left as they
-    were."""
+    less context; the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). Deterministic
+    for a seed; the model's parameters and the global random state are left as they were."""
     if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
     if 0 < seq_len < blocks.shape[1]:
