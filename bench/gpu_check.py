@@ -284,7 +284,8 @@ def measure_heal(spec: dict):
     step = tokens = 0
     for k in range(1, spec["points"] + 1):
         left = heal_s * k / spec["points"] - heal_wall  # this part's share: the heal's wall time at point k
-        stop = threading.Timer(max(left, 0.0), _touch_stop, (run_dir,))
+        done = threading.Event()
+        stop = threading.Thread(target=_stop_after, args=(run_dir, max(left, 0.0), step, done), daemon=True)
         reset_peak()
         start_mem = round(torch.cuda.memory_allocated(device) / 2**30, 2) if cuda else None  # left over: ~0
         sync()
@@ -296,7 +297,7 @@ def measure_heal(spec: dict):
             yield {**base, "point": k, "status": _failure(err)}
             return
         finally:
-            stop.cancel()
+            done.set()
             stop.join()  # a STOP file it was writing is there before it is removed below
         sync()
         heal_wall += time.perf_counter() - start
@@ -349,11 +350,30 @@ def window_seconds(metrics: Path, first_step: int, last_step: int, first_tokens:
     return int(tokens), seconds
 
 
-def _touch_stop(run_dir: Path) -> None:
+def _stop_after(run_dir: Path, seconds: float, step: int, done: threading.Event) -> None:
+    """Writes run_dir/STOP once ``seconds`` have passed *and* metrics.jsonl has logged a step beyond ``step`` (the
+    part's start): every timed part trains at least a few steps, even when its share of the budget ends in its
+    set-up (a loaded machine). Returns without writing when ``done`` is set first (the run ended)."""
     from tlm_train.trainer import STOP_FILE
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / STOP_FILE).touch()
+    if done.wait(seconds):
+        return
+    metrics = run_dir / "metrics.jsonl"
+    while not done.wait(0.05):
+        if last_logged_step(metrics) > step:
+            (run_dir / STOP_FILE).touch()
+            return
+
+
+def last_logged_step(metrics: Path) -> int:
+    """The highest step of a training record (one with ``tokens_per_s``) in metrics.jsonl; 0 before the first."""
+    steps = [0]
+    for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+        if line.strip():
+            record = json.loads(line)
+            if "tokens_per_s" in record:
+                steps.append(record["step"])
+    return max(steps)
 
 
 def _failure(err: Exception) -> str:
