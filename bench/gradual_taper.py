@@ -83,10 +83,11 @@ def main() -> None:
 
 
 def source_perplexity(source: str, evalb: dict) -> dict:
-    """The source's perplexity per set: SmolLM2-135M's from bench/quality_ablation.py's cache (source.json), any
-    other source's measured here."""
-    if source == "smollm2-135m":
-        return json.loads((RESULTS / "source.json").read_text())
+    """The source's perplexity per set from bench/quality_ablation.py's cache (source.json for SmolLM2-135M, else
+    source_SOURCE.json) where a row of that source wrote it, else measured here."""
+    cache = RESULTS / ("source.json" if source == "smollm2-135m" else f"source_{source}.json")
+    if cache.is_file():
+        return json.loads(cache.read_text())
     model = load_model(source, with_tokenizer=False)[0]
     return {name: perplexity(model, blocks) for name, blocks in evalb.items()}
 
