@@ -114,7 +114,7 @@ def main() -> None:
         measured = measure_widths(model, calib, src.tlm_config, opts, settings)
         widths = measured["widths"]
         logging.info("measured widths %s (profile %s)", widths, [round(x, 3) for x in measured["profile"]])
-    score_whole_model(model, calib, settings)
+    score_whole_model(model, calib, settings, widths)
     convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     model.config.intermediate_sizes = list(widths)

@@ -7,6 +7,7 @@ import torch
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from conftest import make_model
+from tlm_convert.calibrate import LayerSettings, first_ranked_layer
 from tlm_convert.compensate import obs_prune
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert import convert as convert_module
@@ -101,6 +102,32 @@ def test_seq_len_scores_the_blocks_cut_into_shorter_sequences():
     assert any(not torch.equal(a, b) for a, b in zip(whole, cut))
 
 
+def test_first_layer_stops_the_backward_there_and_scores_as_a_full_pass():
+    model = make_model(seed=1).eval()
+    n = model.config.num_hidden_layers
+    blocks = torch.randint(0, model.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(2))
+    full = fisher_scores(model, blocks, seed=3)
+    reached = []  # the layers whose input is in the graph (gets a gradient)
+    hooks = [layer.register_forward_pre_hook(lambda m, args, i=i: reached.append(i) if args[0].requires_grad else None)
+             for i, layer in enumerate(model.model.layers)]
+    part = fisher_scores(model, blocks, seed=3, first_layer=n - 2)
+    for h in hooks:
+        h.remove()
+    assert part[: n - 2] == [None] * (n - 2) and sorted(set(reached)) == [n - 2, n - 1]
+    assert all(torch.equal(a, b) for a, b in zip(full[n - 2 :], part[n - 2 :]))  # a score needs only later layers
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_first_ranked_layer_skips_the_leading_growing_layers_unless_their_scores_are_used():
+    source = [8, 8, 8, 8]
+    settings = LayerSettings(importance="fisher", scores_needed=False)
+    assert first_ranked_layer(source, [12, 10, 6, 4], settings) == 2  # cosine: layers 0-1 grow, keep every neuron
+    assert first_ranked_layer(source, [12, 8, 8, 4], settings) == 1  # a kept width is still ranked (its order)
+    assert first_ranked_layer(source, [4, 12, 12, 4], settings) == 0  # shrinking first
+    assert first_ranked_layer(source, [12, 10, 6, 4], LayerSettings(grow_init="split", scores_needed=False)) == 0
+    assert first_ranked_layer(source, [12, 10, 6, 4], LayerSettings(scores_needed=True)) == 0  # a scored mixer
+
+
 def test_the_backward_batch_follows_the_memory_budget(monkeypatch):
     model = make_model(seed=1).double().eval()
     blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
@@ -151,6 +178,10 @@ def test_fisher_conversion_keeps_the_parameter_count_and_is_refused_low_memory(i
     report = convert(str(src), str(tmp_path / "out"), ConvertOptions(importance=importance, **opts))
     assert report["importance"] == importance and report["params_after"] == report["params_before"]
     assert report["widths_after"] != report["widths_before"] and "rank" in report["seconds"]
+    grows = [a > b for a, b in zip(report["widths_after"], report["widths_before"])]
+    first = grows.index(False)  # the leading growing layers keep every neuron: not ranked, the backward stops
+    assert first > 0 and all(p is None for p in report["importance_profile"][:first])
+    assert all(p > 0 for p in report["importance_profile"][first:])
     with pytest.raises(ConversionError, match="drop --low-memory"):
         ConvertOptions(importance=importance, low_memory=True, **opts).validate()
 

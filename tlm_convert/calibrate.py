@@ -166,13 +166,25 @@ class LayerSettings:
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
 
-def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, progress: bool = False) -> None:
+def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widths: list[int],
+                      progress: bool = False) -> None:
     """Fill ``settings.model_scores`` when the importance metric scores neurons on the whole source ``model`` (a
-    TLMForCausalLM in memory) before the layer loop changes it; a no-op for the per-layer metrics."""
+    TLMForCausalLM in memory) before the layer loop resizes it to ``widths``; a no-op for the per-layer metrics.
+    Only the layers from :func:`first_ranked_layer` on are scored."""
     if settings.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
+        first = first_ranked_layer(model.config.intermediate_sizes, widths, settings)
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
                                               progress=progress, max_blocks=settings.fisher_blocks,
-                                              seq_len=settings.fisher_seq_len)
+                                              seq_len=settings.fisher_seq_len, first_layer=first)
+
+
+def first_ranked_layer(source_widths: list[int], widths: list[int], settings: LayerSettings) -> int:
+    """The first layer whose neuron scores the conversion uses: the layers before it only grow, keep every neuron
+    and are not ranked, unless growth copies the top-ranked ones (``split``) or the caller uses every layer's scores
+    (``scores_needed``: a scored mixer)."""
+    if settings.grow_init == "split" or settings.scores_needed:
+        return 0
+    return next((i for i, (w, s) in enumerate(zip(widths, source_widths)) if w <= s), len(widths))
 
 
 @dataclass
@@ -182,9 +194,9 @@ class CalibrationResult:
     tokens: int
     hidden: list[torch.Tensor]  # the converted model's last-layer output per batch (before the final norm)
 
-    def importance_profile(self) -> list[float] | None:
-        """The mean neuron score per layer (None when no calibration ran)."""
-        return None if self.tokens == 0 else [float(s.mean()) for s in self.scores]
+    def importance_profile(self) -> list[float | None] | None:
+        """The mean neuron score per layer (None when no calibration ran; an entry None: a layer not ranked)."""
+        return None if self.tokens == 0 else [None if s is None else float(s.mean()) for s in self.scores]
 
 
 def calibration_needed(source_widths: list[int], widths: list[int], settings: LayerSettings) -> bool:
@@ -236,7 +248,7 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
         else:
             plan, score, hidden = step.keep_or_split(i, layer, mixed, width)
         plans.append(plan)
-        scores.append(score.float())
+        scores.append(None if score is None else score.float())
         layers.done(i, layer, plan, scores[-1])
         del layer
         if progress is not None:
@@ -281,8 +293,11 @@ class _LayerStep:
         for b, p in enumerate(self.positions):
             source_hidden[b] = layer.feed_forward(_mix(self.base, layer, source_hidden[b], p))
 
-    def scores(self, i, layer, stats, width=None) -> torch.Tensor:
+    def scores(self, i, layer, stats, width=None) -> torch.Tensor | None:
+        """Layer i's neuron scores; None for a growing layer a whole-model pass did not rank (first_ranked_layer)."""
         whole = None if self.settings.model_scores is None else self.settings.model_scores[i]
+        if whole is None and self.settings.model_scores is not None and self.importance in WHOLE_MODEL:
+            return None
         with self.timer("rank"):
             return neuron_scores(self.importance, stats, _weights(layer.mlp, width), seed=self.seed + i,
                                  whole_model=whole)
@@ -576,5 +591,5 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
     mlp.intermediate_size = plan.width
 
 
-__all__ = ["convert_layers", "score_whole_model", "CalibrationResult", "MemoryPolicy", "IN_MEMORY", "LOW_MEMORY",
-           "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]
+__all__ = ["convert_layers", "score_whole_model", "first_ranked_layer", "CalibrationResult", "MemoryPolicy",
+           "IN_MEMORY", "LOW_MEMORY", "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]

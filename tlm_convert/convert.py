@@ -262,7 +262,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
             before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     if calib is not None:
         with timer("rank"):
-            score_whole_model(model, calib, settings, progress=timer.on_phase is not None)
+            score_whole_model(model, calib, settings, widths, progress=timer.on_phase is not None)
     result = convert_layers(model.model, ModelLayers(model), calib, widths, settings, IN_MEMORY, on_layer, timer)
     with timer("resize"):
         config = model.config

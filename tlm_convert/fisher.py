@@ -18,7 +18,8 @@ estimates the sum of the per-position Fisher diagonals without one backward pass
 The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
 layer loop (no parameter gradients are formed: the embeddings' output is the only leaf that requires grad). The
 layer loop then keeps each shrinking layer's top-scored neurons and refits its down projection as for any score
-(calibrate.convert_layers); growing layers keep every neuron. It needs the whole model in memory, and runs as many
+(calibrate.convert_layers); growing layers keep every neuron, so the backward pass stops at the first layer that
+does not grow (calibrate.first_ranked_layer). It needs the whole model in memory, and runs as many
 sequences per backward pass as fit ``BACKWARD_BUDGET`` (one at a time for SmolLM2-135M and Gemma 3 270M at 512
 tokens). The head's gradient is formed a few positions at a time, so the (B, S, V) logits are never held: Gemma 3's
 262,144-token vocabulary made them 2 GB a sequence, four times over.
@@ -38,19 +39,25 @@ HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient 
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
-                  max_blocks: int = 0, seq_len: int = 0) -> list[torch.Tensor]:
+                  max_blocks: int = 0, seq_len: int = 0, first_layer: int = 0) -> list[torch.Tensor | None]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
     the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
     ``seq_len`` tokens (0: S; a shorter one squares more, shorter sums: the same tokens, less cross-position noise,
     less context; the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). Deterministic
-    for a seed; the model's parameters and the global random state are left as they were."""
+    for a seed; the model's parameters and the global random state are left as they were.
+
+    ``first_layer``: the layers before it are not scored (None): the backward pass stops at its input, so they
+    neither run backward nor keep activations for it. A layer's score depends only on the layers after it, so
+    every scored layer's is the one a full pass gives (a cosine taper grows its first half: half the backward)."""
     if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
     if 0 < seq_len < blocks.shape[1]:
         blocks = blocks[:, : blocks.shape[1] // seq_len * seq_len].reshape(-1, seq_len)  # (n * S // seq_len, seq_len)
     layers = model.model.layers
+    # rows as for a full pass (the batching changes the draw): a scored layer's score does not depend on first_layer
     rows = max(1, min(batch_size, BACKWARD_BUDGET // backward_bytes_per_row(model, blocks.shape[1])))
-    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
+    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers[first_layer:]]
+    leaf = model.model.embed_tokens if first_layer == 0 else layers[first_layer - 1]
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     frozen = [p for p in model.parameters() if p.requires_grad]
@@ -59,8 +66,8 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     bar = tqdm(total=len(blocks), desc="fisher", unit="seq", file=sys.stderr, disable=not progress)
     try:
         with bar, ExitStack() as hooks, torch.enable_grad():
-            hooks.callback(model.model.embed_tokens.register_forward_hook(_needs_grad).remove)
-            for layer, score in zip(layers, scores):
+            hooks.callback(leaf.register_forward_hook(_needs_grad).remove)
+            for layer, score in zip(layers[first_layer:], scores):
                 hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score)).remove)
             for first in range(0, len(blocks), rows):
                 ids = blocks[first : first + rows].to(device)  # (B, S)
@@ -69,14 +76,14 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    return scores
+    return [None] * first_layer + scores
 
 
 def backward_bytes_per_row(model, seq_len: int) -> int:
-    """Estimated bytes one sequence of ``seq_len`` tokens holds at the peak of the pre-pass's backward: per layer,
-    the activations autograd saves (about 8 hidden-size and 5 MLP-width vectors a token in the model's dtype; the
-    logits are formed a chunk at a time and not kept): about 0.75 GB for one 512-token sequence of SmolLM2-135M,
-    0.57 GB of Gemma 3 270M."""
+    """Estimated bytes one sequence of ``seq_len`` tokens holds at the peak of the pre-pass's backward through every
+    layer (an upper bound when the first layers are not scored): per layer, the activations autograd saves (about
+    8 hidden-size and 5 MLP-width vectors a token in the model's dtype; the logits are formed a chunk at a time and
+    not kept): about 0.75 GB for one 512-token sequence of SmolLM2-135M, 0.57 GB of Gemma 3 270M."""
     config = model.config
     width = max(config.intermediate_sizes)
     item = next(model.parameters()).element_size()
@@ -85,7 +92,8 @@ def backward_bytes_per_row(model, seq_len: int) -> int:
 
 
 def _needs_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
-    return output.requires_grad_()  # the graph's one leaf: activations get gradients, parameters none
+    return output.requires_grad_()  # the graph's one leaf (the embeddings' or a layer's output): activations get
+    # gradients, parameters none, and nothing before the leaf runs backward
 
 
 class _MaskGradient:

@@ -25,7 +25,8 @@ def write_plot(report: dict, path: Path) -> None:
     profile = report.get("importance_profile")
     if profile:
         twin = ax.twinx()
-        twin.plot(layers, profile, color="#c05621", marker="o", ms=3, label=f"mean {report['importance']} score")
+        ranked = [float("nan") if x is None else x for x in profile]  # None: a growing layer not ranked
+        twin.plot(layers, ranked, color="#c05621", marker="o", ms=3, label=f"mean {report['importance']} score")
         twin.set_ylabel(f"mean neuron importance ({report['importance']})", color="#c05621")
         twin.legend(loc="upper center", fontsize=8)
     ax.legend(loc="upper right", fontsize=8)
