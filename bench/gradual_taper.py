@@ -1,14 +1,14 @@
 """A taper reached in K stages during the heal (issue 23 item 2), against the one-shot conversion at equal tokens.
 
-Stage k of K converts the current model (the source, then the previous stage's healed TLM) to the ratio
-1 + 0.5 k/K / 1 - 0.5 k/K (the last stage: the target 1.5/0.5, so the final widths and parameter count are those of
-the one-shot conversion), calibrated on the current model, then heals it for N/K tokens by distillation from the
-*original* source with the heal recipe of ``tlm-convert --heal-tokens``. Every stage calibrates on the same text:
-the bundled mix and the source's own samples of a default conversion (its calibration_samples.txt), equal shares,
-as the default conversion does. The final model is evaluated as bench/quality_ablation.py evaluates (first 16,384
-tokens of every bundled set, disjoint 512-token windows) against the source's cached perplexities, and written
-as a heal curve of one point (bench/heal_curve.py's keys), which ``python -m bench report`` shows beside the
-one-shot conversions' curves.
+``tlm-convert --taper-stages K --heal-tokens N`` (tlm_convert.convert.convert_in_stages): stage k of K converts the
+current model (the source, then the previous stage's healed TLM) to the ratio 1 + 0.5 k/K / 1 - 0.5 k/K (the last
+stage: the target 1.5/0.5, so the final widths and parameter count are those of the one-shot conversion),
+calibrated on the current model, then heals it for N/K tokens by distillation from the *original* source. Every
+stage calibrates on the same text: the bundled mix and the source's own samples of a default conversion (its
+calibration_samples.txt), equal shares, as the default conversion does. The final model is evaluated as
+bench/quality_ablation.py evaluates (first 16,384 tokens of every bundled set, disjoint 512-token windows) against
+the source's cached perplexities, and written as a heal curve of one point (bench/heal_curve.py's keys), which
+``python -m bench report`` shows beside the one-shot conversions' curves.
 
     python bench/gradual_taper.py --samples runs/q/obs_default/calibration_samples.txt --stages 3 \\
         --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/quality/heal_gradual3.json
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -26,19 +25,12 @@ import torch
 
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
-from tlm_convert.heal import heal_data, heal_recipe
 from tlm_convert.samples import SELF
 from tlm_io.load import load_model
 from tlm_io.locate import resolve_builtin
 from tlm_io.perplexity import perplexity
-from tlm_train.trainer import train
 
 RESULTS = Path(__file__).parent / "results" / "quality"
-
-
-def stage_ratio(k: int, stages: int) -> str:
-    step = 0.5 * k / stages
-    return f"{1 + step!r}/{1 - step!r}"  # full precision: the two must sum to 2
 
 
 def main() -> None:
@@ -53,23 +45,12 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    sources = ("default", args.samples)
-    data = heal_data(("default", SELF), Path(args.samples), work / "heal-data.txt")
-    current, stages = resolve_builtin(args.source), []  # convert() takes a path (the CLI resolves names)
+    opts = ConvertOptions(calibration_data=("default", args.samples), importance=args.importance,
+                          taper_stages=args.stages, heal_tokens=args.heal_tokens, overwrite=True)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for k in range(1, args.stages + 1):
-        ratio = stage_ratio(k, args.stages)
-        out = work / f"stage{k}"
-        report = convert(current, str(out), ConvertOptions(ratio=ratio, calibration_data=sources,
-                                                            importance=args.importance, overwrite=True))
-        per_step = 4 * report["seq_len"]  # the heal recipe's batch
-        tokens = math.ceil(args.heal_tokens / args.stages / per_step) * per_step
-        run = train(heal_recipe(str(out), args.source, data, tokens, str(work / f"heal{k}"), report["seq_len"]))
-        stages.append({"stage": k, "ratio": ratio, "widths": report["widths_after"], "heal_tokens": run.tokens,
-                       "cpu_s": round(time.process_time() - cpu0, 1), "wall_s": round(time.perf_counter() - wall0, 1),
-                       "last_loss": run.losses[-1] if run.losses else None})
-        print(json.dumps(stages[-1]), flush=True)
-        current = str(run.final_dir)
+    report = convert(resolve_builtin(args.source), str(work / "final"), opts)  # the CLI resolves names
+    stages = report["taper_stages"]
+    current = str(work / "final")
     model, tokenizer, _ = load_model(current)
     evalb = eval_set_blocks(tokenizer, "all-eval", 512, 16384)
     after = {name: perplexity(model, blocks) for name, blocks in evalb.items()}

@@ -39,7 +39,8 @@ TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
     "--eval-tokens", "--export", "--grow-init", "--heal-tokens", "--help", "--importance", "--low-memory",
     "--max-hours", "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
-    "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--token-weighting", "--trust-remote-code",
+    "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--taper-stages", "--token-weighting",
+    "--trust-remote-code",
 ]
 
 

@@ -20,7 +20,7 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_cli.convert import convert_main
 from tlm_convert import heal as heal_module
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import ConvertOptions, convert, stage_ratio
 from tlm_io.load import load_model
 from tlm_io.text import token_blocks
 from tlm_train.build import select_trainable, weight_rms
@@ -159,6 +159,9 @@ def _options() -> dict:
     (["--heal-tokens", "-5"], "must be 0 (no heal) or a positive"),
     (["--heal-tokens", "100"], "less than one training step (256 tokens"),
     (["--heal-tokens", "1024", "--low-memory"], "drop --low-memory"),
+    (["--taper-stages", "0"], "--taper-stages 0: must be 1 (one-shot conversion) or more"),
+    (["--taper-stages", "3", "--heal-tokens", "512"], "pass --heal-tokens 768 or more"),
+    (["--taper-stages", "2", "--heal-tokens", "1024", "--schedule", "measured-taper"], "measures its widths"),
 ])
 def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
     res = _convert([source, "-o", tmp_path / "out", *FAST, *args])
@@ -166,6 +169,31 @@ def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and words in errors[0] and "Traceback" not in res.output, res.output
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_stage_ratios_move_every_multiplier_from_one():
+    assert [stage_ratio("1.5/0.5", k, 3) for k in (1, 2, 3)] == ["1.1666666666666667/0.8333333333333334",
+                                                                 "1.3333333333333333/0.6666666666666667", "1.5/0.5"]
+    assert stage_ratio("1.5/1/0.5", 1, 2) == "1.25/1.0/0.75"
+
+
+def test_a_staged_conversion_ends_at_the_one_shot_widths_healed_from_the_source(source, tmp_path):
+    once, staged = tmp_path / "once", tmp_path / "staged"
+    evals = ["--eval-data", DATA, "--eval-tokens", 512]
+    assert _convert([source, "-o", once, *FAST, *evals]).exit_code == 0
+    res = _convert([source, "-o", staged, *FAST, *evals, "--taper-stages", 2, "--heal-tokens", 1024])
+    assert res.exit_code == 0, res.output
+    a, b = (json.loads((f / "conversion_report.json").read_text()) for f in (once, staged))
+    assert b["widths_after"] == a["widths_after"] and b["params_after"] == a["params_after"] == a["params_before"]
+    assert b["source"] == a["source"] == str(source) and b["widths_before"] == a["widths_before"]
+    assert [(s["stage"], s["ratio"], s["heal_tokens"]) for s in b["taper_stages"]] == [(1, "1.4/0.6", 512),
+                                                                                      (2, "1.8/0.2", 512)]
+    assert b["taper_stages"][0]["widths_after"] not in (a["widths_before"], a["widths_after"])  # halfway
+    assert b["heal"]["tokens"] == 512 and b["options"]["taper_stages"] == 2 and b["options"]["heal_tokens"] == 1024
+    before = [s["before"] for s in a["perplexity_sets"]]
+    assert [s["before"] for s in b["perplexity_sets"]] == before  # evaluated against the source, not stage 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["once", "staged"]  # the stages' folder is gone
+    load_model(str(staged), with_tokenizer=False)
 
 
 def _heal_process(source: Path, out: Path, extra=()) -> subprocess.Popen:

@@ -72,6 +72,9 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
 @click.option("--low-memory", is_flag=True, help="Stream layer by layer from disk (checkpoints larger than RAM).")
 @click.option("--heal-tokens", type=int, default=DEFAULTS.heal_tokens, show_default=True,
               help="Then distil from the source for this many calibration tokens (tlm train; 0: no heal).")
+@click.option("--taper-stages", type=int, default=DEFAULTS.taper_stages, show_default=True,
+              help="Reach the widths in K conversions (the ratio's multipliers moved from 1 in K steps, each stage "
+                   "ranked on the current model), healing --heal-tokens / K after each; 1: one shot.")
 @click.option("--max-hours", type=float, default=DEFAULTS.max_hours, show_default=True,
               help="Refuse a long phase (self samples, --reconstruct-epochs, the heal) whose time, estimated at the "
                    "rate of its first steps, is above this many hours; 0: no limit. Phases estimated above a minute "

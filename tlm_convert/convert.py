@@ -17,9 +17,11 @@ import json
 import math
 import os
 import resource
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,9 +30,9 @@ from tlm import MIXERS, SCHEDULES, measured_widths, parse_ratio, taper_widths
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_model
-from tlm_io.load import check_positions, check_token_ids, load_tokenizer, materialize
+from tlm_io.load import check_positions, check_token_ids, load_model, load_tokenizer, materialize
 from tlm_io.outputs import (check_free_space, check_output_given, check_output_path, human_bytes, output_bytes,
-                           output_run, save_errors, staged)
+                           output_run, save_errors, staged, temp_prefix)
 from tlm_io.perplexity import perplexity
 from tlm_io.sizes import available_memory
 from tlm_io.text import text_prefix
@@ -40,7 +42,7 @@ from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calib
                         score_whole_model)
 from .evalsets import eval_set_blocks, perplexity_entries
 from .fisher import fisher_scores, top_share_profile
-from .heal import check_heal, heal
+from .heal import check_heal, heal, tokens_per_step
 from .importance import METRICS, WHOLE_MODEL
 from .reconstruct import TOKEN_WEIGHTINGS
 from .report import write_markdown, write_plot
@@ -90,6 +92,8 @@ class ConvertOptions:
     overwrite: bool = False
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
+    taper_stages: int = 1  # reach the widths in this many conversions, each healed heal_tokens / taper_stages
+    # (convert_in_stages); 1: one shot
     max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
     # refused seconds into it (tlm_train.budget); 0: no limit
 
@@ -131,6 +135,7 @@ class ConvertOptions:
         if self.reconstruct_epochs < 0:
             raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
         check_heal(self.heal_tokens, self.seq_len, self.low_memory)
+        check_stages(self)
         if self.low_memory and self.schedule in MEASURED:
             raise ConversionError(f"--schedule {self.schedule} measures neurons with backward passes through the "
                                   "whole model; drop --low-memory, or use a named schedule such as cosine")
@@ -208,10 +213,76 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     if opts.low_memory:
         check_streamable(opts)
     with output_run(out):
-        return _convert(source, out, opts, on_phase, on_layer, Limits(opts.max_hours or None, on_note))
+        limits = Limits(opts.max_hours or None, on_note)
+        if opts.taper_stages > 1:
+            return convert_in_stages(source, out, opts, on_phase, on_layer, limits)
+        return _convert(source, out, opts, on_phase, on_layer, limits)
 
 
-def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, limits: Limits) -> dict:
+def check_stages(opts: ConvertOptions) -> None:
+    """ConversionError for a ``taper_stages`` that cannot run: below 1, a measured schedule (its widths are measured,
+    not interpolated), or fewer heal tokens than one step a stage."""
+    stages = opts.taper_stages
+    if not isinstance(stages, int) or stages < 1:
+        raise ConversionError(f"--taper-stages {stages}: must be 1 (one-shot conversion) or more")
+    if stages == 1:
+        return
+    if opts.schedule in MEASURED:
+        raise ConversionError(f"--taper-stages moves the --ratio multipliers from 1 in steps; --schedule "
+                              f"{opts.schedule} measures its widths instead: use one stage, or a named schedule")
+    need = stages * tokens_per_step(opts.seq_len)
+    if opts.heal_tokens < need:
+        raise ConversionError(f"--taper-stages {stages} heals --heal-tokens / {stages} after every stage; pass "
+                              f"--heal-tokens {need:,} or more (a step of {tokens_per_step(opts.seq_len):,} a stage)")
+
+
+def stage_ratio(ratio: str, k: int, stages: int) -> str:
+    """Stage k of ``stages``'s ratio: every multiplier of ``ratio`` moved from 1 by k / stages of the way (stage
+    ``stages``: ``ratio`` itself), at full precision ("1.5/0.5" in 3 stages: 1.1666666666666667/0.8333333333333334)."""
+    if k == stages:
+        return ratio
+    return "/".join(repr(1 + (m - 1) * k / stages) for m in parse_ratio(ratio))
+
+
+def convert_in_stages(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, limits: Limits) -> dict:
+    """``--taper-stages K``: the widths reached in K conversions at the ratios :func:`stage_ratio` gives, each
+    calibrated and ranked on the current model (the source, then the previous stage's healed TLM, which converts as
+    any TLM does: around its mean width) and healed ``heal_tokens / K`` tokens by distillation from the *source*.
+    The last stage converts at ``opts.ratio`` itself, so its widths and parameter count are the one-shot
+    conversion's. ``self`` samples are drawn once, from the source, and every stage calibrates and heals on them.
+    The stages before the last are written into a temporary folder beside OUTPUT (removed at the end); the report
+    is the last stage's, evaluated against the source, with ``taper_stages`` listing every stage."""
+    per_stage = math.ceil(opts.heal_tokens / opts.taper_stages / tokens_per_step(opts.seq_len))
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))  # cleaned by a later run if killed
+    stages, current, sources, first = [], source, tuple(opts.calibration_data), {}
+    try:
+        for k in range(1, opts.taper_stages + 1):
+            last = k == opts.taper_stages
+            stage_opts = replace(opts, ratio=stage_ratio(opts.ratio, k, opts.taper_stages), taper_stages=1,
+                                 heal_tokens=per_stage * tokens_per_step(opts.seq_len), calibration_data=sources)
+            if not last:  # an intermediate TLM: reloaded exactly by the next stage, not evaluated
+                stage_opts = replace(stage_opts, export="tlm", dtype="float32", eval_data=None, overwrite=True)
+            stage = {"stage": k, "ratio": stage_opts.ratio, "heal_tokens": stage_opts.heal_tokens}
+            if last:  # OUTPUT: the report names the source and the options given, and lists every stage
+                origin = {**first, "calibration_data": list(opts.calibration_data), "options": asdict(opts),
+                          "taper_stages": stages + [stage]}
+                return _convert(current, out, stage_opts, on_phase, on_layer, limits, teacher=source, origin=origin)
+            report = _convert(current, work / f"stage{k}", stage_opts, on_phase, on_layer, limits, teacher=source)
+            first = first or {key: report[key] for key in ("source", "source_kind", "family", "widths_before")}
+            stages.append({**stage, "widths_after": report["widths_after"],
+                           "seconds": round(sum(report["seconds"].values()), 1)})
+            current = str(work / f"stage{k}")
+            if k == 1 and SELF in sources:  # the source's samples, drawn once, stand for self from now on
+                sources = tuple(str(work / "stage1" / SAMPLES_FILE) if s == SELF else s for s in sources)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, limits: Limits,
+             teacher: str | None = None, origin: dict | None = None) -> dict:
+    """One conversion of ``source`` into ``out``. ``teacher``: what the heal distils from and the evaluation's
+    "before" is measured on (None: ``source``); ``origin``: report entries that name the conversion's true source
+    (a staged conversion's last stage: :func:`convert_in_stages`)."""
     timer = PhaseTimer(on_phase)
     torch.manual_seed(opts.seed)
     with timer("load"):
@@ -254,12 +325,13 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
     if measured is not None:
         report.update(widths_cosine=reference, measured_profile=measured["profile"])
     report["notes"] = list(src.notes) + notes
+    report.update(origin or {})
     report["rss_after_load_mb"] = rss_mb()  # weights (in memory) and tokenizer loaded: the baseline of the peak
     if model is None:
         return _convert_streamed(src, out, opts, widths, calib, evalb, settings, report, timer, on_layer, need)
     if evalb is not None:
         with timer("eval"):
-            before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
+            before = _perplexities(model if teacher is None else _load_reference(teacher, opts), evalb, opts)
     if calib is not None:
         with timer("rank"):
             score_whole_model(model, calib, settings, widths, progress=timer.on_phase is not None)
@@ -273,7 +345,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
         report.update(_param_report(src.num_params, sum(p.numel() for p in final.parameters()), opts))
     if evalb is not None:
         with timer("eval"):
-            after = {name: perplexity(final, blocks, opts.batch_size) for name, blocks in evalb.items()}
+            after = _perplexities(final, evalb, opts)
             report.update(perplexity_entries(before, after, opts.calibration_data))
     report["importance_profile"] = result.importance_profile()
 
@@ -283,7 +355,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
             (tmp / SAMPLES_FILE).write_text(samples_text(tokenizer, samples), encoding="utf-8")
             report["calibration_samples"] = {"file": SAMPLES_FILE, "blocks": len(samples)}
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
-            final = heal(final, source, src, tmp, opts, evalb, report, timer,
+            final = heal(final, teacher or source, src, tmp, opts, evalb, report, timer,
                          samples=None if samples is None else tmp / SAMPLES_FILE, limits=limits, tokenizer=tokenizer)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
@@ -291,6 +363,17 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
     with save_errors(out, need):
         _write_output(out, report, timer, write_model)
     return report
+
+
+def _perplexities(model, evalb: dict, opts: ConvertOptions) -> dict:
+    return {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
+
+
+def _load_reference(teacher: str, opts: ConvertOptions):
+    """The model a staged conversion's last stage is evaluated against: the source itself, in fp32 on the device."""
+    model, _, _ = load_model(teacher, device=opts.device, with_tokenizer=False,
+                             trust_remote_code=opts.trust_remote_code)
+    return model
 
 
 def _open(source, opts):
