@@ -193,6 +193,8 @@ def test_a_staged_conversion_ends_at_the_one_shot_widths_healed_from_the_source(
     before = [s["before"] for s in a["perplexity_sets"]]
     assert [s["before"] for s in b["perplexity_sets"]] == before  # evaluated against the source, not stage 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["once", "staged"]  # the stages' folder is gone
+    assert "taper stages: 2, ratios 1.4/0.6, 1.8/0.2, 512 heal tokens after each" in res.output
+    assert "reached in 2 stages (--taper-stages)" in (staged / "report.md").read_text()
     load_model(str(staged), with_tokenizer=False)
 
 

@@ -155,6 +155,10 @@ def _summary(report: dict, output: str) -> None:
     if "perplexity_before" in report:
         for line in perplexity_lines(report):
             click.echo(f"perplexity {line}")
+    if "taper_stages" in report:
+        stages = report["taper_stages"]
+        click.echo(f"taper stages: {len(stages)}, ratios " + ", ".join(s["ratio"] for s in stages)
+                   + f", {stages[-1]['heal_tokens']:,} heal tokens after each")
     if "heal" in report:
         h = report["heal"]
         click.echo(f"heal: {h['tokens']:,} tokens of distillation from the source in {h['seconds']:.1f}s "

@@ -16,7 +16,8 @@ functions of different positions have zero mean and are independent given the in
 estimates the sum of the per-position Fisher diagonals without one backward pass per position.
 
 The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
-layer loop (no parameter gradients are formed: the embeddings' output is the only leaf that requires grad). The
+layer loop (no parameter gradients are formed: the embeddings' output, or the first ranked layer's input, is the
+only leaf that requires grad). The
 layer loop then keeps each shrinking layer's top-scored neurons and refits its down projection as for any score
 (calibrate.convert_layers); growing layers keep every neuron, so the backward pass stops at the first layer that
 does not grow (calibrate.first_ranked_layer). It needs the whole model in memory, and runs as many

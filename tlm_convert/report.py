@@ -79,6 +79,12 @@ def write_markdown(report: dict, path: Path) -> None:
                      f"- perplexity before and after conversion, and after healing ({report['heal']['tokens']:,} "
                      f"tokens of logit distillation from the source{_heal_rate(report['heal'])}):")
         lines += [f"  - {line}" for line in perplexity_lines(report)]
+    if "taper_stages" in report:
+        stages = report["taper_stages"]
+        lines.append(f"- reached in {len(stages)} stages (--taper-stages), each converting the previous stage's healed "
+                     "model and healing it from the source: ratios " + ", ".join(s["ratio"] for s in stages)
+                     + "; heal tokens " + ", ".join(f"{s['heal_tokens']:,}" for s in stages)
+                     + " (the perplexities above: the last stage's, against the source)")
     if "widths_cosine" in report:
         lines.append("- measured widths: each layer's count of MLP neurons among the source's top half by Fisher "
                      "removal cost on the calibration text (" + ", ".join(f"{x:g}" for x in report["measured_profile"])
