@@ -102,6 +102,19 @@ def test_seq_len_scores_the_blocks_cut_into_shorter_sequences():
     assert any(not torch.equal(a, b) for a, b in zip(whole, cut))
 
 
+def test_draws_average_backward_passes_of_fresh_targets_over_one_forward():
+    model = make_model(seed=1).eval()
+    block = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    two = fisher_scores(model, block, seed=3, draws=2)
+    # the same block twice, one sequence a pass: the second pass draws where the first left the generator
+    twice = fisher_scores(model, torch.cat([block, block]), seed=3, batch_size=1)
+    assert all(torch.allclose(a, b / 2, rtol=1e-12, atol=0) for a, b in zip(two, twice))
+    one = fisher_scores(model, block, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(one, fisher_scores(model, block, seed=3, draws=1)))
+    assert any(not torch.allclose(a, b) for a, b in zip(one, two))
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_first_layer_stops_the_backward_there_and_scores_as_a_full_pass():
     model = make_model(seed=1).eval()
     n = model.config.num_hidden_layers

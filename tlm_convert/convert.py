@@ -472,7 +472,8 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     parameter count (tlm.schedule.measured_widths), between the ratio's two multipliers of D (1.5/0.5: 0.5 D to
     1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
     scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
-                           max_blocks=settings.fisher_blocks, seq_len=settings.fisher_seq_len)
+                           max_blocks=settings.fisher_blocks, seq_len=settings.fisher_seq_len,
+                           draws=settings.fisher_draws)
     if settings.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)

@@ -40,16 +40,21 @@ HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient 
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
-                  max_blocks: int = 0, seq_len: int = 0, first_layer: int = 0) -> list[torch.Tensor | None]:
+                  max_blocks: int = 0, seq_len: int = 0, first_layer: int = 0,
+                  draws: int = 1) -> list[torch.Tensor | None]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
     the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
     ``seq_len`` tokens (0: S; a shorter one squares more, shorter sums: the same tokens, less cross-position noise,
-    less context; the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). Deterministic
+    less context; the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). ``draws``: the
+    targets drawn that many times a sequence, one backward pass each through the same forward graph, the squared sums
+    averaged (the estimate's variance over draws / ``draws``; 1 is the one-draw score, bit for bit). Deterministic
     for a seed; the model's parameters and the global random state are left as they were.
 
     ``first_layer``: the layers before it are not scored (None): the backward pass stops at its input, so they
     neither run backward nor keep activations for it. A layer's score depends only on the layers after it, so
     every scored layer's is the one a full pass gives (a cosine taper grows its first half: half the backward)."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
     if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
     if 0 < seq_len < blocks.shape[1]:
@@ -72,11 +77,13 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
                 hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score)).remove)
             for first in range(0, len(blocks), rows):
                 ids = blocks[first : first + rows].to(device)  # (B, S)
-                _backward_sampled_loglik(model, ids, gen)
+                _backward_sampled_loglik(model, ids, gen, draws)
                 bar.update(ids.shape[0])
     finally:
         for p in frozen:
             p.requires_grad_(True)
+    if draws > 1:
+        scores = [s / draws for s in scores]
     return [None] * first_layer + scores
 
 
@@ -115,24 +122,33 @@ class _MaskGradient:
             a.register_hook(add)
 
 
-def _backward_sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator) -> None:
+def _backward_sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator, draws: int = 1) -> None:
     """Backpropagate log p(y | ids) summed over every position, y drawn from the model's own next-token
-    distribution. The head's share is formed a chunk of positions at a time (``HEAD_CHUNK_BYTES`` of logits), so the
-    (B, S, V) logits are never held: with z = h W^T, d log p(y) / dz = onehot(y) - softmax(z), and the gradient
-    reaching the last hidden state h is that times W; one backward pass of the body takes it from there."""
+    distribution; ``draws`` times, each with its own y, through one forward graph. The head's share is formed a chunk
+    of positions at a time (``HEAD_CHUNK_BYTES`` of logits), so the (B, S, V) logits are never held: with z = h W^T,
+    d log p(y) / dz = onehot(y) - softmax(z), and the gradient reaching the last hidden state h is that times W; one
+    backward pass of the body takes it from there."""
     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, S, H), after the final norm
-    weight = model.lm_head.weight  # (V, H)
     flat = hidden.detach().flatten(0, 1)  # (B*S, H)
+    for draw in range(draws):
+        grad = _sampled_head_gradient(model.lm_head, flat, gen)
+        hidden.backward(grad.view_as(hidden), retain_graph=draw < draws - 1)
+
+
+def _sampled_head_gradient(head, flat: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """d log p(y) / dh (N, H) for final hidden states ``flat`` (N, H) and the LM ``head`` (weight W: (V, H)), one y
+    drawn per row from softmax(head(h)), a few rows at a time."""
+    weight = head.weight  # (V, H)
     grad = torch.empty_like(flat)
     step = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
     for first in range(0, len(flat), step):
         rows = slice(first, first + step)
-        logits = model.lm_head(flat[rows])  # (c, V)
+        logits = head(flat[rows])  # (c, V)
         probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         targets = torch.multinomial(probs, 1, generator=gen)  # (c, 1)
         probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # p - onehot(y)
         grad[rows] = probs.neg().to(weight.dtype) @ weight  # (c, H): d log p(y) / dh
-    hidden.backward(grad.view_as(hidden))
+    return grad
 
 
 def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[float]:
