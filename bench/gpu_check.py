@@ -2,6 +2,7 @@
 
     bash bench/gpu_check.sh                 # on a GPU machine: budget 450 s (under 8 minutes with start-up)
     bash bench/gpu_check.sh --dry           # on CPU: tiny shapes, a few steps, seconds (the default tests run it)
+    bash bench/gpu_check.sh --dry --device cuda   # the same tiny shapes on the GPU: a smoke of the CUDA paths
 
 1. Convert and heal (first; 290 s of the budget at most): ``tlm-convert smollm2-135m --device cuda --eval-data
    all-eval`` in-process (tlm_convert.convert.convert); its wall time less the evaluation phase against the CPU
@@ -524,7 +525,9 @@ def markdown(results: list[dict], conv: dict, heal: dict, info: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="GPU readiness check (see the module docstring)")
-    ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, a few steps (seconds)")
+    ap.add_argument("--dry", action="store_true", help="tiny shapes, a few steps (seconds; on the CPU unless --device)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="where to run [cuda; dry cpu]: --dry --device cuda smokes the CUDA paths in seconds")
     ap.add_argument("--budget-s", type=float, default=None, help="whole check [450; dry 420]")
     ap.add_argument("--only", default=",".join(MIXERS), help="comma-separated mixers")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
@@ -544,10 +547,13 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     dry = args.dry
-    if not dry and not torch.cuda.is_available():
+    device = torch.device(args.device or ("cpu" if dry else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device here; run on a GPU machine, or pass --dry for the CPU smoke run", file=sys.stderr)
         return 2
-    device = torch.device("cpu" if dry else "cuda")
+    if device.type == "cpu" and not dry:
+        print("error: --device cpu runs only the tiny shapes; add --dry", file=sys.stderr)
+        return 2
     budget = args.budget_s or (420.0 if dry else 450.0)  # dry: room for a loaded machine; about a minute when quiet
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),

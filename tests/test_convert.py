@@ -55,6 +55,22 @@ def test_uniform_conversion_is_exact(family, tmp_path, tokenizer, ids):
     assert (_logits(out, ids) - source_logits(src, ids)).abs().max() <= 1e-4
 
 
+def test_the_library_takes_a_built_in_name_as_the_cli_does(tmp_path, tokenizer, monkeypatch):
+    """convert("smollm2-135m", ...) in-process (bench/gpu_check.py's call) finds the GGUF its package ships."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from tlm_io import locate
+
+    src = make_source(tmp_path / "pkg" / "weights", "llama", tokenizer=tokenizer)
+    package = types.ModuleType("tiny_builtin_pkg")
+    package.__spec__ = importlib.machinery.ModuleSpec("tiny_builtin_pkg", None, origin=str(src.parent / "__init__.py"))
+    monkeypatch.setitem(sys.modules, "tiny_builtin_pkg", package)
+    monkeypatch.setitem(locate.BUILTIN_SOURCES, "tiny-builtin", ("tiny_builtin_pkg", src.name))
+    report = convert("tiny-builtin", str(tmp_path / "out"), ConvertOptions(schedule="uniform", **OPTS))
+    assert report["source"] == str(src)
+
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_uniform_import_skips_calibration_and_writes_the_same_tensors(low_memory, tmp_path, tokenizer, ids,
                                                                       monkeypatch):
@@ -132,6 +148,14 @@ def test_hook_statistics_accumulate_over_batches():
         for name in ("sum", "sumsq", "seq_abs_sq", "gram"):
             torch.testing.assert_close(getattr(other, name), getattr(whole, name), rtol=1e-6, atol=1e-5)
         assert other.tokens == whole.tokens == 60
+
+
+def test_the_statistics_live_on_the_layers_device():
+    """The fp64 sums follow the weights (a conversion on --device cuda adds CUDA activations to them)."""
+    down = torch.nn.Linear(6, 4, device="meta")
+    with activation_stats(down, gram=True) as stats:
+        pass
+    assert {stats.sum.device.type, stats.sumsq.device.type, stats.gram.device.type} == {"meta"}
 
 
 def test_stopping_hook_records_the_first_columns_and_stops():

@@ -106,3 +106,10 @@ def test_without_a_gpu_the_real_check_says_so_in_one_line():
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: no CUDA device")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_full_check_refuses_the_cpu_in_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", str(SCRIPT), "--device", "cpu"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --device cpu runs only the tiny shapes; add --dry"

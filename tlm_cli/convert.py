@@ -16,7 +16,6 @@ from tlm_convert.surgery import GROW_INITS
 from tlm_io.errors import Stopped, one_line
 from tlm_io.export import FORMATS
 from tlm_io.heap import return_freed_memory
-from tlm_io.locate import resolve_builtin
 
 from .common import OneLineCommand, check_device, quiet_libraries, report_failure
 
@@ -95,7 +94,7 @@ def convert_main(input_model, output, export_format, **kwargs):
         options = ConvertOptions(export=export_format, **kwargs)
         check_device(options.device)
         return_freed_memory()
-        report = convert(resolve_builtin(input_model), output, options, on_phase=bar.phase, on_layer=bar.layer,
+        report = convert(input_model, output, options, on_phase=bar.phase, on_layer=bar.layer,
                          on_note=_note)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()

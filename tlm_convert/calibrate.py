@@ -448,7 +448,7 @@ class _Cross:
 
     def __init__(self, down, mixed, source_hidden, policy: MemoryPolicy, weights=None):
         self.bias, self.mixed, self.source_hidden, self.weights = down.bias, mixed, source_hidden, weights
-        self.total = torch.zeros(down.in_features, down.out_features, dtype=torch.float64)
+        self.total = torch.zeros(down.in_features, down.out_features, dtype=torch.float64, device=down.weight.device)
         self.rows, self.batch = policy.rows(12 * down.out_features), 0
 
     def __call__(self, a: torch.Tensor) -> None:
@@ -474,7 +474,7 @@ class _WeightedGram:
     Gram matrix of the summed refit, in row blocks of ``rows``."""
 
     def __init__(self, width: int, weights: list, rows: int | None):
-        self.gram = torch.zeros(width, width, dtype=torch.float64)
+        self.gram = torch.zeros(width, width, dtype=torch.float64, device=weights[0].device)
         self.weights, self.rows, self.batch = weights, rows, 0
 
     def __call__(self, a: torch.Tensor) -> None:

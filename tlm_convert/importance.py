@@ -46,15 +46,17 @@ OBS_METRICS = frozenset({"obs", "fisher_obs"})  # remove neurons by OBS's greedy
 class ActivationStats:
     """Running sums over calibration tokens of a (B, S, I) activation; optional Gram matrix AᵀA."""
 
-    def __init__(self, width: int, gram: bool = False, keep: bool = False, block_rows: int | None = None):
+    def __init__(self, width: int, gram: bool = False, keep: bool = False, block_rows: int | None = None,
+                 device: torch.device | str | None = None):
         self.block_rows = block_rows  # the Gram matrix's update in blocks of at most this many columns
         self.kept: list[torch.Tensor] | None = [] if keep else None  # the activations themselves, if asked
         self.tokens = 0
         self.sequences = 0
-        self.sum = torch.zeros(width, dtype=torch.float64)  # Σ a
-        self.sumsq = torch.zeros(width, dtype=torch.float64)  # Σ a²
-        self.seq_abs_sq = torch.zeros(width, dtype=torch.float64)  # Σ_s (mean_t |a|)²
-        self.gram = torch.zeros(width, width, dtype=torch.float64) if gram else None
+        f64 = {"dtype": torch.float64, "device": device}  # fp64 sums on the activations' device
+        self.sum = torch.zeros(width, **f64)  # Σ a
+        self.sumsq = torch.zeros(width, **f64)  # Σ a²
+        self.seq_abs_sq = torch.zeros(width, **f64)  # Σ_s (mean_t |a|)²
+        self.gram = torch.zeros(width, width, **f64) if gram else None
 
     @torch.no_grad()
     def update(self, a: torch.Tensor) -> None:
@@ -109,7 +111,7 @@ def activation_stats(down_proj: torch.nn.Module, gram: bool = False, keep: bool 
     :class:`StopForward` after recording, for callers that only want the activations; ``block_rows``: see
     :func:`add_gram`; ``on_batch(a)`` is called with every batch's recorded activations."""
     width = columns or down_proj.in_features
-    stats = ActivationStats(width, gram=gram, keep=keep, block_rows=block_rows)
+    stats = ActivationStats(width, gram=gram, keep=keep, block_rows=block_rows, device=down_proj.weight.device)
 
     def hook(_module, args):
         stats.update(args[0].detach()[..., :width])

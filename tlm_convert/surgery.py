@@ -85,7 +85,7 @@ def _new_rows(w, plan, grow_init, gen):
     if grow_init == "split":
         return w[_split_sources(plan)]
     rms = w.float().pow(2).mean().sqrt()
-    return (torch.randn(plan.grow, w.shape[1], generator=gen) * rms).to(w.dtype)
+    return (torch.randn(plan.grow, w.shape[1], generator=gen).to(w.device) * rms).to(w.dtype)  # host draw: any device
 
 
 def _split_sources(plan) -> torch.Tensor:
@@ -101,11 +101,11 @@ def _new_down(down, keep, plan, grow_init, noise_scale, gen):
         return torch.cat([kept, down.new_zeros(down.shape[0], plan.grow)], 1)
     if grow_init == "noise":
         rms = down.float().pow(2).mean().sqrt()
-        cols = torch.randn(down.shape[0], plan.grow, generator=gen) * rms * noise_scale
+        cols = torch.randn(down.shape[0], plan.grow, generator=gen).to(down.device) * rms * noise_scale
         return torch.cat([kept, cols.to(down.dtype)], 1)
     # split: every copy of neuron m shares its column equally with the original
     src = _split_sources(plan)
-    copies = torch.bincount(src, minlength=down.shape[1]).to(down.dtype) + 1  # (I,) twins per source neuron
+    copies = torch.bincount(src, minlength=down.shape[1]).to(down.device, down.dtype) + 1  # (I,) twins per source neuron
     scaled = down / copies  # (d, I)
     return torch.cat([scaled[:, keep], scaled[:, src]], 1)
 

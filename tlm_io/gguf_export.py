@@ -100,7 +100,7 @@ def gguf_tensors(config: TLMConfig, state_dict) -> dict[str, torch.Tensor]:
 
 def _encode(gguf, name: str, tensor: torch.Tensor, weight_type: str):
     """(array, raw_dtype) for GGUFWriter.add_tensor: 1-D tensors stay f32 (llama.cpp's convention)."""
-    array = tensor.contiguous().numpy()
+    array = tensor.detach().cpu().contiguous().numpy()
     kinds = gguf.GGMLQuantizationType
     if array.ndim == 1 or weight_type == "f32" or name == "rope_freqs.weight":
         return array, kinds.F32

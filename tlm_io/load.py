@@ -143,9 +143,10 @@ def materialize(config, state_dict: dict) -> TLMForCausalLM:
     if missing or unexpected:
         raise ConversionError(f"internal error: weights do not match the config "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    device = next(iter(state.values())).device
     for module in model.modules():  # non-persistent buffers are not in the state dict
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = rope_inv_freq(module.params, module.head_dim)
+            module.inv_freq = rope_inv_freq(module.params, module.head_dim).to(device)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
