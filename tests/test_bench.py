@@ -51,7 +51,8 @@ def test_the_readme_shows_the_demo_result_files_figures_and_stays_short():
 
 def test_results_md_is_short_and_every_section_names_its_command_and_machine():
     text = (ROOT / "bench" / "RESULTS.md").read_text()
-    assert text.count("\n") < 460  # a ten-minute read (issue 24 added the compare study and Gemma's measured taper)
+    assert text.count("\n") < 470  # a ten-minute read (issue 24 added the compare study and Gemma's measured taper;
+    # the GPU section, first measured 2026-12-04, adds 10 lines beyond the four superseded rows retired for it)
     for section in re.split(r"\n### ", text)[1:]:
         assert "command: `" in section and "machine: " in section, section.splitlines()[0]
 
