@@ -121,15 +121,62 @@ def ood(ratios: dict, in_domain: set[str]) -> float:
 SOURCE_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
 
 
-def quality_section(rows: list[tuple[Path, dict]]) -> list[str]:
-    """One table per source (a row without ``source`` is SmolLM2-135M's), SmolLM2-135M's first."""
+def quality_section(rows: list[tuple[Path, dict]], curves: list[tuple[Path, dict]] = ()) -> list[str]:
+    """One table per source (a row without ``source`` is SmolLM2-135M's), SmolLM2-135M's first; then one table per
+    study (rows with a ``study``: the default row too, which stays in its source's table)."""
     by_source: dict[str, list[tuple[Path, dict]]] = {}
+    studies: dict[str, list[tuple[Path, dict]]] = {}
     for path, data in rows:
-        by_source.setdefault(data.get("source", "smollm2-135m"), []).append((path, data))
+        if "study" in data:
+            studies.setdefault(data["study"]["name"], []).append((path, data))
+        if "study" not in data or data.get("default"):
+            by_source.setdefault(data.get("source", "smollm2-135m"), []).append((path, data))
     lines = []
     for source, group in sorted(by_source.items(), key=lambda item: item[0] != "smollm2-135m"):
         lines += source_table(SOURCE_NAMES.get(source, source), group)
+    for name, group in studies.items():
+        lines += study_table(name, group, curves)
     return lines
+
+
+STUDY_HEAL_TOKENS = 24_576
+STUDY_FIELDS = ("name", "title", "command", "heal_command", "machine")  # the rest of ``study``: the varied settings
+
+
+def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:
+    """A study's rows (``study``: :data:`STUDY_FIELDS`, then the varied settings) with each row's heal at STUDY_HEAL_TOKENS (the heal
+    curve of the folder the row saved) and, per setting of the first varied key, the geometric means over the rest."""
+    heals = {Path(data["converted"]).name: p for _, data in curves for p in data["points"]
+             if p["tokens"] == STUDY_HEAL_TOKENS}
+    keys = [k for k in rows[0][1]["study"] if k not in STUDY_FIELDS]
+    names = list(rows[0][1]["sets"])
+    rows = sorted(rows, key=lambda item: [item[1]["study"][k] for k in keys])
+    columns = [*keys, *(SET_LABELS.get(n, n) for n in names), "OOD", f"OOD after {STUDY_HEAL_TOKENS:,} heal tokens",
+               "convert CPU s", "file"]
+    table_rows, groups = [], {}
+    for path, data in rows:
+        healed = heals.get(data["name"])
+        after = None if healed is None else healed.get("ood_geomean", ood(healed["ratio"], {"default-eval"}))
+        groups.setdefault(data["study"][keys[0]], []).append((data["ood_geomean"], after))
+        cpu = data.get("convert_cpu_s")
+        table_rows.append([*(data["study"][k] for k in keys), *(_3(data["sets"][n]["ratio"]) for n in names),
+                           f"x{data['ood_geomean']:.3f}", None if after is None else f"x{after:.3f}",
+                           _0(None if cpu is None else cpu - data.get("sample_cpu_s", 0)), path.name])
+    for value, got in groups.items():  # geometric means over the other keys (the seeds), where there are several
+        if len(got) > 1:
+            healed = [a for _, a in got if a is not None]
+            table_rows.append([value, f"mean of {len(got)}", *([""] * (len(keys) - 2 + len(names))),
+                               f"**x{_geomean([c for c, _ in got]):.3f}**",
+                               f"**x{_geomean(healed):.3f}**" if len(healed) == len(got) else None, None, ""])
+    lines = [f"### {rows[0][1]['study'].get('title', name)} (bench/results/quality/)", ""]
+    lines += markdown({"title": "", "columns": columns, "rows": table_rows})
+    study = rows[0][1]["study"]
+    return lines + [f"*command: `{study['command']}`, its heal `{study['heal_command']}`; machine: {study['machine']} "
+                    "(each file names its own).*", ""]
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def source_table(title: str, rows: list[tuple[Path, dict]]) -> list[str]:
@@ -159,6 +206,8 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
     columns = ["start", "heal tokens", *(SET_LABELS.get(n, n) for n in names), "OOD", "CPU s", "wall s"]
     rows, started = [], set()
     for _, data in curves:
+        if "study" in data and not data.get("default"):  # at STUDY_HEAL_TOKENS in its study's table
+            continue
         in_domain = set(data.get("in_domain", ["default-eval"]))
         for p in sorted(data["points"], key=lambda p: p["tokens"]):
             if p["tokens"] == 0:
@@ -181,7 +230,7 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
         lines += [f"![heal curve]({HEAL_PNG.relative_to(RESULTS_MD.parent).as_posix()})", ""]
     lines += ["Commands and machines:", ""]
     lines += [f"- {data.get('label', Path(data['converted']).name)} ({path.name}): {provenance(data)}"
-              for path, data in curves]
+              for path, data in curves if "study" not in data or data.get("default")]
     return lines + [""]
 
 
@@ -243,7 +292,7 @@ def render() -> str:
     for number, (topic, heading) in enumerate(TOPICS.items(), 1):
         body = []
         if topic == "quality":
-            body += quality_section(rows)
+            body += quality_section(rows, curves)
         if topic == "heal":
             body += heal_section(curves)
         for path, data in (item for item in files if item[1]["topic"] == topic):
