@@ -343,3 +343,12 @@ def test_a_tapered_tlm_is_retapered_around_its_mean_width(tmp_path, tokenizer):
     odd.intermediate_sizes = [odd.intermediate_sizes[0] + 1] + odd.intermediate_sizes[1:]
     with pytest.raises(convert_module.ConversionError, match="not a multiple of its 4 layers"):
         convert_module.plan_widths(odd, ConvertOptions(**OPTS))
+
+
+def test_fisher_draws_reach_the_pre_pass_and_bad_values_are_one_line_errors():
+    assert ConvertOptions(fisher_draws=2).layer_settings().fisher_draws == 2
+    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws must be a positive integer$"):
+        ConvertOptions(fisher_draws=0).validate()
+    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws 2 needs the Fisher pre-pass: --importance fisher"):
+        ConvertOptions(fisher_draws=2, importance="obs").validate()
+    ConvertOptions(fisher_draws=2, importance="obs", schedule="measured-taper").validate()  # its widths: Fisher

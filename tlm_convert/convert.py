@@ -93,6 +93,8 @@ class ConvertOptions:
     overwrite: bool = False
     trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
+    fisher_draws: int = 1  # targets drawn per calibration sequence by the Fisher pre-pass, one backward each, scores
+    # averaged: K draws cut the score's sampling noise by sqrt(K) for K - 1 more backward passes (bench/RESULTS.md)
     taper_stages: int = 1  # reach the widths in this many conversions, each healed heal_tokens / taper_stages
     # (convert_in_stages); 1: one shot
     max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
@@ -103,7 +105,7 @@ class ConvertOptions:
         return LayerSettings(importance=self.importance, grow_init=self.grow_init, refit=self.refit,
                              refit_target=self.refit_target, batch_size=self.batch_size, seed=self.seed,
                              token_weighting=self.token_weighting, reconstruct_epochs=self.reconstruct_epochs,
-                             scores_needed=self.mixer in SCORED_MIXERS)
+                             fisher_draws=self.fisher_draws, scores_needed=self.mixer in SCORED_MIXERS)
 
     def validate(self) -> None:
         """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "fisher" (the whole
@@ -120,9 +122,12 @@ class ConvertOptions:
             if value not in allowed and not (name == "importance" and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
         parse_ratio(self.ratio)
-        for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size"):
+        for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size", "fisher_draws"):
             if getattr(self, name) < 1:
                 raise ConversionError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.fisher_draws > 1 and self.importance not in WHOLE_MODEL and self.schedule not in MEASURED:
+            raise ConversionError(f"--fisher-draws {self.fisher_draws} needs the Fisher pre-pass: --importance fisher "
+                                  "(the default) or fisher_obs, or --schedule measured / measured-taper")
         if self.multiple_of is not None and self.multiple_of < 1:
             raise ConversionError(f"--multiple-of {self.multiple_of}: must be a positive integer")
         if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
