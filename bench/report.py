@@ -144,8 +144,9 @@ STUDY_FIELDS = ("name", "title", "command", "heal_command", "machine")  # the re
 
 
 def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:
-    """A study's rows (``study``: :data:`STUDY_FIELDS`, then the varied settings) with each row's heal at STUDY_HEAL_TOKENS (the heal
-    curve of the folder the row saved) and, per setting of the first varied key, the geometric means over the rest."""
+    """A study's rows (``study``: :data:`STUDY_FIELDS`, then the varied settings) with each row's heal at
+    STUDY_HEAL_TOKENS (the heal curve of the folder the row saved) and, per setting of the first varied key, the
+    geometric means over the rest."""
     heals = {Path(data["converted"]).name: p for _, data in curves for p in data["points"]
              if p["tokens"] == STUDY_HEAL_TOKENS}
     keys = [k for k in rows[0][1]["study"] if k not in STUDY_FIELDS]

@@ -349,6 +349,6 @@ def test_fisher_draws_reach_the_pre_pass_and_bad_values_are_one_line_errors():
     assert ConvertOptions(fisher_draws=2).layer_settings().fisher_draws == 2
     with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws must be a positive integer$"):
         ConvertOptions(fisher_draws=0).validate()
-    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws 2 needs the Fisher pre-pass: --importance fisher"):
+    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws 2 needs the Fisher pre-pass: "):
         ConvertOptions(fisher_draws=2, importance="obs").validate()
     ConvertOptions(fisher_draws=2, importance="obs", schedule="measured-taper").validate()  # its widths: Fisher

@@ -105,7 +105,7 @@ def _new_down(down, keep, plan, grow_init, noise_scale, gen):
         return torch.cat([kept, cols.to(down.dtype)], 1)
     # split: every copy of neuron m shares its column equally with the original
     src = _split_sources(plan)
-    copies = torch.bincount(src, minlength=down.shape[1]).to(down.device, down.dtype) + 1  # (I,) twins per source neuron
+    copies = torch.bincount(src, minlength=down.shape[1]).to(down.device, down.dtype) + 1  # (I,) twins per neuron
     scaled = down / copies  # (d, I)
     return torch.cat([scaled[:, keep], scaled[:, src]], 1)
 
