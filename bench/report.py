@@ -113,9 +113,12 @@ def quality_files() -> tuple[list[tuple[Path, dict]], list[tuple[Path, dict]]]:
     return sorted(rows, key=first), sorted(curves, key=first)
 
 
-def ood(ratios: dict, in_domain: set[str]) -> float:
-    values = [v for k, v in ratios.items() if k not in in_domain]
+def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def ood(ratios: dict, in_domain: set[str]) -> float:
+    return geomean([v for k, v in ratios.items() if k not in in_domain])
 
 
 SOURCE_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
@@ -129,7 +132,7 @@ def quality_section(rows: list[tuple[Path, dict]], curves: list[tuple[Path, dict
     for path, data in rows:
         if "study" in data:
             studies.setdefault(data["study"]["name"], []).append((path, data))
-        if "study" not in data or data.get("default"):
+        if outside_studies(data):
             by_source.setdefault(data.get("source", "smollm2-135m"), []).append((path, data))
     lines = []
     for source, group in sorted(by_source.items(), key=lambda item: item[0] != "smollm2-135m"):
@@ -137,6 +140,11 @@ def quality_section(rows: list[tuple[Path, dict]], curves: list[tuple[Path, dict
     for name, group in studies.items():
         lines += study_table(name, group, curves)
     return lines
+
+
+def outside_studies(data: dict) -> bool:
+    """Whether a row or curve is shown in the main tables: any but a study's, and a study's default."""
+    return "study" not in data or bool(data.get("default"))
 
 
 STUDY_HEAL_TOKENS = 24_576
@@ -167,17 +175,13 @@ def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:
         if len(got) > 1:
             healed = [a for _, a in got if a is not None]
             table_rows.append([value, f"mean of {len(got)}", *([""] * (len(keys) - 2 + len(names))),
-                               f"**x{_geomean([c for c, _ in got]):.3f}**",
-                               f"**x{_geomean(healed):.3f}**" if len(healed) == len(got) else None, None, ""])
+                               f"**x{geomean([c for c, _ in got]):.3f}**",
+                               f"**x{geomean(healed):.3f}**" if len(healed) == len(got) else None, None, ""])
     lines = [f"### {rows[0][1]['study'].get('title', name)} (bench/results/quality/)", ""]
     lines += markdown({"title": "", "columns": columns, "rows": table_rows})
     study = rows[0][1]["study"]
     return lines + [f"*command: `{study['command']}`, its heal `{study['heal_command']}`; machine: {study['machine']} "
                     "(each file names its own).*", ""]
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def source_table(title: str, rows: list[tuple[Path, dict]]) -> list[str]:
@@ -201,14 +205,13 @@ def source_table(title: str, rows: list[tuple[Path, dict]]) -> list[str]:
 
 
 def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
+    curves = [(path, data) for path, data in curves if outside_studies(data)]  # a study's: in its own table
     if not curves:
         return []
     names = list(curves[0][1]["source_perplexity"])
     columns = ["start", "heal tokens", *(SET_LABELS.get(n, n) for n in names), "OOD", "CPU s", "wall s"]
     rows, started = [], set()
     for _, data in curves:
-        if "study" in data and not data.get("default"):  # at STUDY_HEAL_TOKENS in its study's table
-            continue
         in_domain = set(data.get("in_domain", ["default-eval"]))
         for p in sorted(data["points"], key=lambda p: p["tokens"]):
             if p["tokens"] == 0:
@@ -231,7 +234,7 @@ def heal_section(curves: list[tuple[Path, dict]]) -> list[str]:
         lines += [f"![heal curve]({HEAL_PNG.relative_to(RESULTS_MD.parent).as_posix()})", ""]
     lines += ["Commands and machines:", ""]
     lines += [f"- {data.get('label', Path(data['converted']).name)} ({path.name}): {provenance(data)}"
-              for path, data in curves if "study" not in data or data.get("default")]
+              for path, data in curves]
     return lines + [""]
 
 
