@@ -61,11 +61,11 @@ def main() -> None:
         ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
         ax.set_title(f"{teacher}: healing by distillation, 1.5/0.5")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     axes[0][0].set_ylabel("perplexity / source's, OOD geometric mean (the default: black)")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
+    fig.savefig(args.out, dpi=120, bbox_inches="tight")  # the legends below the panels included
     print(f"wrote {args.out}")
 
 

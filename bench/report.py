@@ -153,8 +153,8 @@ STUDY_FIELDS = ("name", "title", "command", "heal_command", "machine")  # the re
 
 def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:
     """A study's rows (``study``: :data:`STUDY_FIELDS`, then the varied settings) with each row's heal at
-    STUDY_HEAL_TOKENS (the heal curve of the folder the row saved) and, per setting of the first varied key, the
-    geometric means over the rest."""
+    STUDY_HEAL_TOKENS (the heal curve of the folder the row saved) and, per setting of every varied key but the last
+    (the seed), the geometric means over the last."""
     heals = {Path(data["converted"]).name: p for _, data in curves for p in data["points"]
              if p["tokens"] == STUDY_HEAL_TOKENS}
     keys = [k for k in rows[0][1]["study"] if k not in STUDY_FIELDS]
@@ -166,15 +166,15 @@ def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:
     for path, data in rows:
         healed = heals.get(data["name"])
         after = None if healed is None else healed.get("ood_geomean", ood(healed["ratio"], {"default-eval"}))
-        groups.setdefault(data["study"][keys[0]], []).append((data["ood_geomean"], after))
+        groups.setdefault(tuple(data["study"][k] for k in keys[:-1]), []).append((data["ood_geomean"], after))
         cpu = data.get("convert_cpu_s")
         table_rows.append([*(data["study"][k] for k in keys), *(_3(data["sets"][n]["ratio"]) for n in names),
                            f"x{data['ood_geomean']:.3f}", None if after is None else f"x{after:.3f}",
                            _0(None if cpu is None else cpu - data.get("sample_cpu_s", 0)), path.name])
-    for value, got in groups.items():  # geometric means over the other keys (the seeds), where there are several
+    for setting, got in groups.items():  # geometric means over the last key (the seeds), where there are several
         if len(got) > 1:
             healed = [a for _, a in got if a is not None]
-            table_rows.append([value, f"mean of {len(got)}", *([""] * (len(keys) - 2 + len(names))),
+            table_rows.append([*setting, f"mean of {len(got)}", *([""] * len(names)),
                                f"**x{geomean([c for c, _ in got]):.3f}**",
                                f"**x{geomean(healed):.3f}**" if len(healed) == len(got) else None, None, ""])
     lines = [f"### {rows[0][1]['study'].get('title', name)} (bench/results/quality/)", ""]
@@ -343,9 +343,11 @@ def readme_text() -> str:
 
 
 def draw_heal_curve() -> Path:
-    """bench/results/heal_curve.png from the heal curves under bench/results/quality/ (bench/plot_heal_curve.py)."""
+    """bench/results/heal_curve.png from the heal curves under bench/results/quality/ (bench/plot_heal_curve.py): those
+    the heal table shows (a study's are in its own table)."""
     _, curves = quality_files()
-    subprocess.run([sys.executable, str(ROOT / "bench" / "plot_heal_curve.py"), *(str(p) for p, _ in curves),
+    shown = [str(path) for path, data in curves if outside_studies(data)]
+    subprocess.run([sys.executable, str(ROOT / "bench" / "plot_heal_curve.py"), *shown,
                     "--out", str(HEAL_PNG)], check=True, cwd=ROOT)
     return HEAL_PNG
 

@@ -204,18 +204,18 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
 
 
 def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_path, monkeypatch):
-    """Rows with a ``study`` form one table (each with its heal at 24,576 tokens, a geometric mean per value of the
-    first key over the rest); outside it only the default row stays in its source's table and heal table."""
+    """Rows with a ``study`` form one table (each with its heal at 24,576 tokens, a geometric mean over the last key
+    per setting of the others); outside it only the default row stays in its source's table and heal table."""
     quality = tmp_path / "quality"
     quality.mkdir()
     study = {"name": "draws", "title": "the draw study", "command": "quality_ablation.py NAME",
              "heal_command": "heal_curve.py runs/q/NAME", "machine": "two lanes"}
 
-    def row(name, ood, draws, seed, default=False):
+    def row(name, ood, draws, seed, default=False, mask="sequence"):
         sets = {"default-eval": {"before": 10.0, "after": 15.0, "ratio": 1.5, "in_domain": True},
                 "eval-code": {"before": 10.0, "after": 10 * ood, "ratio": ood, "in_domain": False}}
         data = {"name": name, "label": name, "sets": sets, "ood_geomean": ood, "command": "c", "machine": "m",
-                "study": {**study, "fisher_draws": draws, "seed": seed}}
+                "study": {**study, "mask": mask, "fisher_draws": draws, "seed": seed}}
         (quality / f"{name}.json").write_text(json.dumps({**data, "default": True} if default else data))
         curve = {"converted": f"runs/q/{name}", "label": f"healed {name}", "source_perplexity": {"default-eval": 10.0,
                  "eval-code": 10.0}, "command": "h", "machine": "m", "study": data["study"],
@@ -226,18 +226,22 @@ def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_pat
     row("d1s0", 1.44, 1, 0, default=True)
     row("d1s1", 1.21, 1, 1)
     row("d2s0", 1.30, 2, 0)
+    row("t1s0", 1.25, 1, 0, mask="token")
+    row("t1s1", 1.16, 1, 1, mask="token")
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "QUALITY", quality)
     monkeypatch.setattr(report, "HEAL_PNG", tmp_path / "none.png")
     text = report.render()
     table = text[text.index("### the draw study"):]
-    assert "| 1 | 0 | 1.500 | 1.440 | x1.440 | x1.340 |" in table
-    assert "| 2 | 0 | 1.500 | 1.300 | x1.300 | x1.200 |" in table
-    assert "| 1 | mean of 2 |  |  | **x1.320** | **x1.220** |" in table  # sqrt(1.44 * 1.21), sqrt(1.34 * 1.11)
-    assert "mean of 1" not in table
+    assert "| sequence | 1 | 0 | 1.500 | 1.440 | x1.440 | x1.340 |" in table
+    assert "| sequence | 2 | 0 | 1.500 | 1.300 | x1.300 | x1.200 |" in table
+    # sqrt(1.44 * 1.21), sqrt(1.34 * 1.11); sqrt(1.25 * 1.16), sqrt(1.15 * 1.06)
+    assert "| sequence | 1 | mean of 2 |  |  | **x1.320** | **x1.220** |" in table
+    assert "| token | 1 | mean of 2 |  |  | **x1.204** | **x1.104** |" in table
+    assert "mean of 1" not in table and "mean of 4" not in table
     assert "*command: `quality_ablation.py NAME`, its heal `heal_curve.py runs/q/NAME`; machine: two lanes" in table
     main = text[:text.index("### the draw study")]
-    assert "| d1s0 |" in main and "| d1s1 |" not in main and "| d2s0 |" not in main
+    assert "| d1s0 |" in main and "| d1s1 |" not in main and "| d2s0 |" not in main and "| t1s0 |" not in main
     heal = text[text.index("## 2."):]
     assert "| healed d1s0 | 24,576 |" in heal and "healed d1s1" not in heal and "healed d2s0" not in heal
 

@@ -19,21 +19,24 @@ from tlm_io.errors import ConversionError
 
 
 class _Mask(torch.nn.Module):
-    """down_proj(a * m): an explicit mask on the neurons, whose gradient is the mask gradient."""
+    """down_proj(a * m): an explicit mask on the neurons (I,), or on the neurons at each position (S, I), whose
+    gradient is the mask gradient."""
 
-    def __init__(self, down):
+    def __init__(self, down, positions: int = 0):
         super().__init__()
         self.down = down
-        self.mask = torch.nn.Parameter(torch.ones(down.in_features, dtype=torch.float64))
+        shape = (positions, down.in_features) if positions else (down.in_features,)
+        self.mask = torch.nn.Parameter(torch.ones(shape, dtype=torch.float64))
 
     def forward(self, a):
         return self.down(a * self.mask.to(a.dtype))
 
 
-def _reference_fisher(model, blocks, seed):
-    """Σ_s (∂ log p(y_s)/∂m)² with one backward pass per sequence, targets drawn as fisher_scores draws them."""
+def _reference_fisher(model, blocks, seed, per_position=False):
+    """Σ_s (∂ log p(y_s)/∂m)² with one backward pass per sequence, targets drawn as fisher_scores draws them; with
+    ``per_position`` a mask per position, its squared gradients summed over the positions."""
     layers = model.model.layers
-    masks = [_Mask(layer.mlp.down_proj) for layer in layers]
+    masks = [_Mask(layer.mlp.down_proj, blocks.shape[1] if per_position else 0) for layer in layers]
     for layer, mask in zip(layers, masks):
         layer.mlp.down_proj = mask
     for p in model.parameters():
@@ -41,7 +44,7 @@ def _reference_fisher(model, blocks, seed):
     for mask in masks:
         mask.mask.requires_grad_(True)
     gen = torch.Generator().manual_seed(seed)
-    scores = [torch.zeros(m.mask.numel(), dtype=torch.float64) for m in masks]
+    scores = [torch.zeros(m.mask.shape[-1], dtype=torch.float64) for m in masks]
     for row in blocks:  # one sequence at a time: its own mask gradient
         with torch.enable_grad():
             logits = model(input_ids=row[None], use_cache=False).logits[0]  # (S, V)
@@ -49,7 +52,7 @@ def _reference_fisher(model, blocks, seed):
             loglik = torch.log_softmax(logits, -1).gather(1, targets).sum()
             grads = torch.autograd.grad(loglik, [m.mask for m in masks])
         for score, grad in zip(scores, grads):
-            score += grad.double().pow(2)
+            score += grad.double().pow(2).reshape(-1, len(score)).sum(0)
     return scores
 
 
@@ -61,13 +64,27 @@ def test_fisher_scores_equal_the_explicit_mask_fisher(monkeypatch, head_position
         monkeypatch.setattr(fisher, "HEAD_CHUNK_BYTES", 4 * model.config.vocab_size * head_positions)
     blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
     # batch_size 1: the reference draws its targets one sequence at a time from one generator, as this does
-    ours = fisher_scores(model, blocks, seed=5, batch_size=1)
+    ours = fisher_scores(model, blocks, seed=5, batch_size=1, mask="sequence")
     assert all(p.requires_grad for p in model.parameters())  # left as they were
     ref = _reference_fisher(model, blocks, seed=5)
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and a.dtype == torch.float64
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
         assert (a > 0).all()
+
+
+def test_the_default_token_mask_equals_the_explicit_per_position_mask_fisher_not_the_sequence_mask():
+    torch.manual_seed(0)
+    model = make_model(seed=1).double().eval()
+    blocks = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="mask must be one of token, sequence"):
+        fisher_scores(model, blocks, mask="neuron")
+    ours = fisher_scores(model, blocks, seed=5, batch_size=1)  # the default mask; the same draws as the reference's
+    sequence = fisher_scores(model, blocks, seed=5, batch_size=1, mask="sequence")
+    ref = _reference_fisher(model, blocks, seed=5, per_position=True)
+    for a, b, seq in zip(ours, ref, sequence):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        assert not torch.allclose(a, seq)
 
 
 def test_fisher_scores_are_deterministic_and_batching_only_changes_the_draw():

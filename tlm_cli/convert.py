@@ -45,8 +45,8 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
               help="How shrinking layers choose their neurons [default: fisher; with --low-memory obs while its I x I "
                    "matrices fit the budget, else activation].")
 @click.option("--fisher-draws", type=int, default=DEFAULTS.fisher_draws, show_default=True,
-              help="Targets the Fisher pre-pass draws per calibration sequence (one more backward pass each): 2 "
-                   "converts with less sampling noise in the ranking, for a fifth to a half more conversion CPU time.")
+              help="Targets the Fisher pre-pass draws per calibration sequence, the scores averaged: less sampling "
+                   "noise in the ranking, for one more backward pass each (2: a fifth to a half more conversion CPU).")
 @click.option("--grow-init", default=DEFAULTS.grow_init, show_default=True, type=click.Choice(GROW_INITS))
 @click.option("--refit/--no-refit", default=DEFAULTS.refit, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")

@@ -164,6 +164,7 @@ class LayerSettings:
     fisher_blocks: int = 0  # the Fisher pre-pass's calibration blocks, evenly spread over them; 0: every block
     fisher_seq_len: int = 0  # the Fisher pre-pass's sequence length (blocks cut into pieces); 0: the blocks'
     fisher_draws: int = 1  # targets drawn per sequence by the Fisher pre-pass (one backward each), scores averaged
+    fisher_mask: str = "token"  # the Fisher pre-pass's mask: one a neuron and position, or a sequence (fisher.MASKS)
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
 
@@ -177,7 +178,7 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widt
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
                                               progress=progress, max_blocks=settings.fisher_blocks,
                                               seq_len=settings.fisher_seq_len, first_layer=first,
-                                              draws=settings.fisher_draws)
+                                              draws=settings.fisher_draws, mask=settings.fisher_mask)
 
 
 def first_ranked_layer(source_widths: list[int], widths: list[int], settings: LayerSettings) -> int:

@@ -481,7 +481,7 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
     scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
                            max_blocks=settings.fisher_blocks, seq_len=settings.fisher_seq_len,
-                           draws=settings.fisher_draws)
+                           draws=settings.fisher_draws, mask=settings.fisher_mask)
     if settings.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)

@@ -5,15 +5,21 @@ output after compensation. This one asks the whole model. Put a mask m_j = 1 on 
 the neuron sets m_j = 0, and the KL divergence from the source's next-token distribution to the pruned model's grows,
 to second order, by ½ F_jj, where F is the Fisher information of the model's own predictive distribution with
 respect to the masks (the Hessian of that KL at m = 1; its gradient there is zero, so first-order Taylor scores of
-the KL vanish). The score of neuron j is the diagonal
+the KL vanish). The score of neuron j is a diagonal of that Fisher; by default (``mask="token"``) with a mask on
+the neuron at each position, its squared gradients summed over the positions:
 
-    F_jj = Σ_s ( Σ_t a_stj · ∂ log p(y_st | x_s,<t) / ∂a_stj )²      y_st ~ p(· | x_s,<t), drawn from the model
+    F_jj = Σ_s Σ_t ( a_stj · ∂ log p(y_s | x_s) / ∂a_stj )²      log p(y_s | x_s) = Σ_t' log p(y_st' | x_s,<t'),
+                                                                 y_st' ~ p(· | x_s,<t'), drawn from the model
 
-over calibration sequences s and positions t: the squared gradient of the sampled sequence's log-likelihood with
-respect to the mask (mask gradients per sequence, as Kwon et al. 2022 use them; SDMPrune, arXiv 2506.11120, ranks
-neurons by gradients of the same self-distillation objective). With targets drawn from the model, the score
-functions of different positions have zero mean and are independent given the inputs, so the square of their sum
-estimates the sum of the per-position Fisher diagonals without one backward pass per position.
+over calibration sequences s and positions t (SDMPrune, arXiv 2506.11120, ranks neurons by gradients of the same
+self-distillation objective). With targets drawn from the model, the score functions of different target positions
+t' have zero mean and are independent given the inputs, so one backward pass of the sampled sequence's
+log-likelihood estimates the sum over targets without one backward pass per target. ``mask="sequence"`` squares
+the sum over t instead, Σ_s (Σ_t a_stj ∂ log p(y_s | x_s) / ∂a_stj)²: one mask a neuron per sequence, as Kwon et
+al. 2022 use mask gradients. Its expectation also holds the cross-position terms (removing a neuron removes it at
+every position at once), but it is one noisy square per sequence where the token mask sums a square per position;
+on SmolLM2-135M the token mask ranked better at every seed measured, at the same cost (bench/RESULTS.md, the
+Fisher study table).
 
 The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
 layer loop (no parameter gradients are formed: the embeddings' output, or the first ranked layer's input, is the
@@ -37,17 +43,20 @@ from tqdm import tqdm
 
 BACKWARD_BUDGET = 1 << 30  # bytes a backward batch may hold: the activations autograd keeps
 HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient (a few positions' worth)
+MASKS = ("token", "sequence")  # one mask a neuron per sequence and position (the default), or per sequence
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
                   max_blocks: int = 0, seq_len: int = 0, first_layer: int = 0,
-                  draws: int = 1) -> list[torch.Tensor | None]:
+                  draws: int = 1, mask: str = "token") -> list[torch.Tensor | None]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
     the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
-    ``seq_len`` tokens (0: S; a shorter one squares more, shorter sums: the same tokens, less cross-position noise,
-    less context; the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). ``draws``: the
+    ``seq_len`` tokens (0: S; a shorter one gives the model less context, and the sequence mask more, shorter sums;
+    the pieces after a block's first lack the tokenizer's start prefix, Gemma's <bos>). ``draws``: the
     targets drawn that many times a sequence, one backward pass each through the same forward graph, the squared sums
-    averaged (the estimate's variance over draws / ``draws``; 1 is the one-draw score, bit for bit). Deterministic
+    averaged (the estimate's variance over draws / ``draws``; 1 is the one-draw score, bit for bit). ``mask``:
+    "token", one mask a neuron and position, the squared mask gradients summed over positions (the module's F_jj),
+    or "sequence", one mask a neuron over a sequence, the square of their sum (the same cost). Deterministic
     for a seed; the model's parameters and the global random state are left as they were.
 
     ``first_layer``: the layers before it are not scored (None): the backward pass stops at its input, so they
@@ -55,6 +64,8 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     every scored layer's is the one a full pass gives (a cosine taper grows its first half: half the backward)."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {', '.join(MASKS)}, got {mask!r}")
     if 0 < max_blocks < len(blocks):  # the calibration sources are concatenated: take from each its share
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max_blocks).round().long()]
     if 0 < seq_len < blocks.shape[1]:
@@ -75,7 +86,7 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
         with bar, ExitStack() as hooks, torch.enable_grad():
             hooks.callback(leaf.register_forward_hook(_needs_grad).remove)
             for layer, score in zip(layers[first_layer:], scores):
-                hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score)).remove)
+                hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score, mask)).remove)
             for first in range(0, len(blocks), rows):
                 ids = blocks[first : first + rows].to(device)  # (B, S)
                 _backward_sampled_loglik(model, ids, gen, draws)
@@ -107,10 +118,11 @@ def _needs_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
 
 class _MaskGradient:
     """Pre-hook on ``down_proj``: a (B, S, I) is its input; once the backward pass reaches it, adds
-    Σ_b (Σ_t a · ∂L/∂a)² to ``score``."""
+    Σ_b Σ_t (a · ∂L/∂a)² to ``score`` (``mask`` "token"), or Σ_b (Σ_t a · ∂L/∂a)² ("sequence")."""
 
-    def __init__(self, score: torch.Tensor):
+    def __init__(self, score: torch.Tensor, mask: str):
         self.score = score
+        self.per_token = mask == "token"
 
     def __call__(self, _module, args):
         a = args[0]
@@ -118,7 +130,8 @@ class _MaskGradient:
             kept = a.detach()
 
             def add(grad: torch.Tensor) -> None:  # (B, S, I); returns None: the gradient itself is unchanged
-                self.score.add_((kept.double() * grad.double()).sum(1).pow(2).sum(0))
+                masked = kept.double() * grad.double()  # (B, S, I): the mask gradients of each position
+                self.score.add_((masked.pow(2).sum(1) if self.per_token else masked.sum(1).pow(2)).sum(0))
 
             a.register_hook(add)
 
@@ -162,4 +175,4 @@ def top_share_profile(scores: list[torch.Tensor], share: float = 0.5) -> list[fl
     return [float(c) for c in torch.bincount(layer[top], minlength=len(scores))]
 
 
-__all__ = ["BACKWARD_BUDGET", "backward_bytes_per_row", "fisher_scores", "top_share_profile"]
+__all__ = ["BACKWARD_BUDGET", "MASKS", "backward_bytes_per_row", "fisher_scores", "top_share_profile"]

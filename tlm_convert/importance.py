@@ -20,9 +20,9 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
 ``magnitude``   mean(‖g_j‖², ‖u_j‖², ‖d_j‖²) — weights only (collapses without recovery; ablation)
 ``random``      U(0, 1) from the seed (ablation floor)
 ``fisher``      the default (in memory): the diagonal Fisher information of the model's own next-token
-                distribution with respect to a mask on each neuron: what removing it costs the whole
-                model's output (KL to the source), not one layer's; scored before the layer loop on the
-                source model (tlm_convert.fisher)
+                distribution with respect to a mask on each neuron at each position, summed over the
+                positions: what removing it costs the whole model's output (KL to the source), not one
+                layer's; scored before the layer loop on the source model (tlm_convert.fisher)
 ``fisher_obs``  OBS's greedy removal with each neuron's local cost weighted by its Fisher *sensitivity*,
                 F_j / (Σ a_j² · ‖d_j‖²): the model's output cost per unit of output energy of the neuron, so
                 OBS's compensated error is counted in what it does to the whole model (:func:`sensitivity`)
