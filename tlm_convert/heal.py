@@ -53,10 +53,10 @@ KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 # output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. A low learning rate, constant after a
 # short warmup: a higher one made longer heals worse, a linear decay to 0 from 1-4x it healed within 0.7% of it at
 # 196,608 tokens, and a constant rate makes a heal of N tokens the first N tokens of any longer one (the heal curve
-# reads one run). The rate is relative to the weights' scale (optim.lr_relative:
-# 5.2e-4 x the RMS of the trainable matrices): SmolLM2-135M's RMS 0.19 gives it 9.9e-5, about the 1e-4 measured on
-# it; Gemma 3 270M's 0.034 gives it 1.8e-5, where an absolute 1e-4 made it worse than unhealed. bench/RESULTS.md
-# ("Heal") has the runs behind these values.
+# reads one run). The rate is relative to the weights' scale (optim.lr_relative: 5.2e-4 x the RMS of the trainable
+# matrices): SmolLM2-135M's RMS 0.19 gives it 9.9e-5, about the 1e-4 measured on it; Gemma 3 270M's 0.034 gives it
+# 1.8e-5, where an absolute 1e-4 made it worse than unhealed. bench/RESULTS.md ("Heal") has the runs behind these
+# values.
 # The one source of the heal's recipe: recipes/generate.py writes recipes/cpt/smollm2-135m-heal.yaml from it.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
