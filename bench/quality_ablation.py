@@ -3,7 +3,7 @@
 bundled evaluation set against the source.
 
     python bench/quality_ablation.py NAME [--source SRC] [--calibration-data SRC] [--calibration-tokens N]
-        [--set FIELD=VALUE ...] [--calibration-cache FILE] [--save DIR]
+        [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE] [--save DIR]
 
 ``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
@@ -15,6 +15,8 @@ source_SRC.json (another source). Writes bench/results/quality/NAME.json, which 
 ``--calibration-cache FILE`` keeps the calibration blocks (and the ``self`` samples among them) in a safetensors
 file: the first row that names it draws them, later rows read the same tokens, so the rows of an ablation differ
 only in what they set (the draw is seeded: the cached blocks are those the default conversion draws).
+``--calibration-seed N`` draws the ``self`` samples with seed N (``tlm-convert --seed N`` draws them so; text blocks
+are evenly spread, the same at every seed); ``--set seed=N`` is the conversion's own seed (growth, Fisher draws).
 ``--save DIR`` writes the converted model (TLM format, with the tokenizer), its calibration_samples.txt and a
 conversion_report.json with the keys bench/heal_curve.py reads, so the row can be healed.
 """
@@ -73,6 +75,8 @@ def main() -> None:
                     help="the conversion's --schedule (measured / measured-taper: widths from the Fisher profile of "
                          "the calibration blocks, tlm_convert.convert.measure_widths)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--calibration-seed", type=int, default=ConvertOptions.seed,
+                    help="the seed of the self samples' draw [the conversion's default]")
     ap.add_argument("--calibration-cache", default=None, help="safetensors file of the calibration blocks")
     ap.add_argument("--save", default=None, help="write the converted model and a report here (for heal_curve.py)")
     args = ap.parse_args()
@@ -81,7 +85,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer, src = load_model(args.source)
     opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
-                          schedule=args.schedule)
+                          schedule=args.schedule, seed=args.calibration_seed)
     opts.validate()
     sources = opts.calibration_data
     widths = plan_widths(src.tlm_config, opts)

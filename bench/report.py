@@ -143,12 +143,14 @@ def quality_section(rows: list[tuple[Path, dict]], curves: list[tuple[Path, dict
 
 
 def outside_studies(data: dict) -> bool:
-    """Whether a row or curve is shown in the main tables: any but a study's, and a study's default."""
-    return "study" not in data or bool(data.get("default"))
+    """Whether a row or curve is shown in the main tables: any but a study's, a study's default, and a study's row
+    that its ``study`` marks ``in_main_tables`` (an option the docs point to, whose heal goes on past the study's)."""
+    return "study" not in data or bool(data.get("default")) or bool(data["study"].get("in_main_tables"))
 
 
 STUDY_HEAL_TOKENS = 24_576
-STUDY_FIELDS = ("name", "title", "command", "heal_command", "machine")  # the rest of ``study``: the varied settings
+# What a ``study`` says about itself; its other keys are the varied settings (the table's first columns).
+STUDY_FIELDS = ("name", "title", "command", "heal_command", "machine", "in_main_tables")
 
 
 def study_table(name: str, rows: list[tuple[Path, dict]], curves) -> list[str]:

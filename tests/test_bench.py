@@ -206,17 +206,19 @@ def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypa
 
 def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_path, monkeypatch):
     """Rows with a ``study`` form one table (each with its heal at 24,576 tokens, a geometric mean over the last key
-    per setting of the others); outside it only the default row stays in its source's table and heal table."""
+    per setting of the others); outside it only the default row and a row marked ``in_main_tables`` stay in their
+    source's table and the heal table."""
     quality = tmp_path / "quality"
     quality.mkdir()
     study = {"name": "draws", "title": "the draw study", "command": "quality_ablation.py NAME",
              "heal_command": "heal_curve.py runs/q/NAME", "machine": "two lanes"}
 
-    def row(name, ood, draws, seed, default=False, mask="sequence"):
+    def row(name, ood, draws, seed, default=False, mask="sequence", main=False):
         sets = {"default-eval": {"before": 10.0, "after": 15.0, "ratio": 1.5, "in_domain": True},
                 "eval-code": {"before": 10.0, "after": 10 * ood, "ratio": ood, "in_domain": False}}
         data = {"name": name, "label": name, "sets": sets, "ood_geomean": ood, "command": "c", "machine": "m",
-                "study": {**study, "mask": mask, "fisher_draws": draws, "seed": seed}}
+                "study": {**study, **({"in_main_tables": True} if main else {}), "mask": mask, "fisher_draws": draws,
+                          "seed": seed}}
         (quality / f"{name}.json").write_text(json.dumps({**data, "default": True} if default else data))
         curve = {"converted": f"runs/q/{name}", "label": f"healed {name}", "source_perplexity": {"default-eval": 10.0,
                  "eval-code": 10.0}, "command": "h", "machine": "m", "study": data["study"],
@@ -228,7 +230,7 @@ def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_pat
     row("d1s1", 1.21, 1, 1)
     row("d2s0", 1.30, 2, 0)
     row("t1s0", 1.25, 1, 0, mask="token")
-    row("t1s1", 1.16, 1, 1, mask="token")
+    row("t1s1", 1.16, 1, 1, mask="token", main=True)
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "QUALITY", quality)
     monkeypatch.setattr(report, "HEAL_PNG", tmp_path / "none.png")
@@ -243,8 +245,10 @@ def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_pat
     assert "*command: `quality_ablation.py NAME`, its heal `heal_curve.py runs/q/NAME`; machine: two lanes" in table
     main = text[:text.index("### the draw study")]
     assert "| d1s0 |" in main and "| d1s1 |" not in main and "| d2s0 |" not in main and "| t1s0 |" not in main
+    assert "| t1s1 |" in main  # in_main_tables: in the study (its mean above) and in the main tables
     heal = text[text.index("## 2."):]
     assert "| healed d1s0 | 24,576 |" in heal and "healed d1s1" not in heal and "healed d2s0" not in heal
+    assert "| healed t1s1 | 24,576 |" in heal
 
 
 def test_the_compare_reading_follows_its_rule():
@@ -280,3 +284,12 @@ def test_every_taper_stage_is_a_ratio_the_conversion_accepts(stages):
     assert all(sum(w) == 30 * 1536 for w in widths)  # every stage keeps the parameter budget
     assert widths[-1] == taper_widths(30, 1536, "cosine", "1.5/0.5")  # and the last is the one-shot target
     assert [w[0] for w in widths] == sorted(w[0] for w in widths)  # the first layer widens stage by stage
+
+
+def test_self_samples_refuses_an_existing_output_in_one_line(tmp_path):
+    out = tmp_path / "samples.txt"
+    out.write_text("kept\n")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "self_samples.py"), "2", "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode != 0 and "exists" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert out.read_text() == "kept\n"
