@@ -16,7 +16,9 @@ source_SRC.json (another source). Writes bench/results/quality/NAME.json, which 
 file: the first row that names it draws them, later rows read the same tokens, so the rows of an ablation differ
 only in what they set (the draw is seeded: the cached blocks are those the default conversion draws).
 ``--calibration-seed N`` draws the ``self`` samples with seed N (``tlm-convert --seed N`` draws them so; text blocks
-are evenly spread, the same at every seed); ``--set seed=N`` is the conversion's own seed (growth, Fisher draws).
+are evenly spread, the same at every seed) and is the report's seed, so a heal of the saved row is seeded by it too;
+a cache that exists is read as it is, whatever the seed (name one cache per seed). ``--set seed=N`` is the
+conversion's own seed (growth, Fisher draws).
 ``--save DIR`` writes the converted model (TLM format, with the tokenizer), its calibration_samples.txt and a
 conversion_report.json with the keys bench/heal_curve.py reads, so the row can be healed.
 """
