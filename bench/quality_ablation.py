@@ -3,7 +3,8 @@
 bundled evaluation set against the source.
 
     python bench/quality_ablation.py NAME [--source SRC] [--calibration-data SRC] [--calibration-tokens N]
-        [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE] [--save DIR]
+        [--schedule S] [--ratio R] [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE]
+        [--save DIR]
 
 ``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--schedule", default=ConvertOptions.schedule,
                     help="the conversion's --schedule (measured / measured-taper: widths from the Fisher profile of "
                          "the calibration blocks, tlm_convert.convert.measure_widths)")
+    ap.add_argument("--ratio", default=ConvertOptions.ratio, help="the conversion's --ratio (first/last layer's "
+                    "multiple of the source's width)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--calibration-seed", type=int, default=ConvertOptions.seed,
                     help="the seed of the self samples' draw [the conversion's default]")
@@ -87,7 +90,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer, src = load_model(args.source)
     opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
-                          schedule=args.schedule, seed=args.calibration_seed)
+                          schedule=args.schedule, ratio=args.ratio, seed=args.calibration_seed)
     opts.validate()
     sources = opts.calibration_data
     widths = plan_widths(src.tlm_config, opts)
@@ -126,7 +129,8 @@ def main() -> None:
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
-    row = {"name": args.name, "source": args.source, "schedule": opts.schedule, "widths": list(widths),
+    row = {"name": args.name, "source": args.source, "schedule": opts.schedule, "ratio": opts.ratio,
+           "widths": list(widths),
            "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
            "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "model_scores"}, "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
