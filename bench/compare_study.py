@@ -1,7 +1,7 @@
 """Does converting pay off at CPU scale? The studies of recipes/compare/ run (or collected) and read (issue 24).
 
-    python bench/compare_study.py --out FILE [--studies cpu-attention,cpu-titans,cpu-shapes,cpu-measured,cpu-ratio125]
-        [--seeds 0-4] [--jobs 2]
+    python bench/compare_study.py --out FILE [--studies cpu-attention,cpu-titans,cpu-shapes,cpu-measured,cpu-ratio150,
+        cpu-ratio140,cpu-ratio125] [--seeds 0-4] [--jobs 2]
 
 For each study file ``recipes/compare/NAME.yaml`` this is ``tlm compare recipes/compare/NAME.yaml --seeds S --jobs
 J`` (tlm_convert.compare.run_comparison: finished runs are collected, not rerun, so an interrupted benchmark
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from tlm_convert.compare import load_compare, run_comparison, select  # noqa: E402
 
-STUDIES = ("cpu-attention", "cpu-titans", "cpu-shapes", "cpu-measured", "cpu-ratio125")
+STUDIES = ("cpu-attention", "cpu-titans", "cpu-shapes", "cpu-measured", "cpu-ratio150", "cpu-ratio140", "cpu-ratio125")
 RULE = ("wins: mean paired difference < 0 by more than its std over seeds, and at least n-1 of n seeds lower; "
         "loses: the same reversed; else within the noise")
 

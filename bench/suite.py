@@ -244,13 +244,12 @@ def compare_tables(raw: dict) -> list[dict]:
     reading = table("Plain reading (" + raw["rule"] + ")",
                     ["study", "mixer", "N+M", "pair", "reading", "mean ± std (nats/token)", "first lower in"],
                     raw["reading"])
-    rows = [[r["study"], s["mixer"], s["split"],
-             "; ".join(f"{arm} {a['mean']:.3f} ± {a['std']:.3f}" for arm, a in s["arms"].items()),
-             "; ".join(f"{a['n']}" for a in s["arms"].values()),
-             "; ".join("n/a" if a["seconds"] is None else f"{a['seconds']:.0f}" for a in s["arms"].values())]
-            for r in raw["studies"] for s in r["studies"]]
-    arms = table("Held-out loss of every arm, mean ± std over seeds (per seed: the result file's summary)",
-                 ["study", "mixer", "N+M", "arms", "seeds", "wall s a run, mean (N-step run included)"], rows)
+    rows = [[r["study"], s["mixer"], s["split"], arm, f"{a['mean']:.4f} ± {a['std']:.4f}", a["n"],
+             "n/a" if a["seconds"] is None else f"{a['seconds']:.0f}"]
+            for r in raw["studies"] for s in r["studies"] for arm, a in s["arms"].items()]
+    arms = table("Held-out loss of every arm (the per-seed tables: the result file's summary)",
+                 ["study", "mixer", "N+M", "arm", "eval loss, mean ± std", "seeds",
+                  "wall s a run, mean (N-step run included)"], rows)
     return [reading, arms]
 
 
