@@ -46,7 +46,7 @@ def main() -> None:
     for path in args.files:
         for run in runs(path):
             panels.setdefault(run.get("teacher", "smollm2-135m"), []).append(run)
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 8), squeeze=False, sharey=True)
     for ax, (teacher, group) in zip(axes[0], sorted(panels.items(), key=lambda kv: kv[0] != "smollm2-135m")):
         colors = iter(plt.get_cmap("tab20").colors)
         for run in group:
@@ -59,10 +59,10 @@ def main() -> None:
         ax.axhline(1.15, color="red", linestyle="--", linewidth=1, label="issue 23 target: x1.15 within 1 h of CPU")
         ax.set_xscale("log")
         ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
-        ax.set_title(f"{teacher}: healing by distillation, 1.5/0.5")
+        ax.set_title(f"{teacher}: healing by distillation\n(--ratio 1.5/0.5 unless a label names another)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
-    axes[0][0].set_ylabel("perplexity / source's, OOD geometric mean (the default: black)")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
+    axes[0][0].set_ylabel("perplexity / source's, OOD geometric mean\n(the default: black)")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120, bbox_inches="tight")  # the legends below the panels included
