@@ -4,7 +4,7 @@
         cpu-ratio140,cpu-ratio125] [--seeds 0-4] [--jobs 2]
 
 For each study file ``recipes/compare/NAME.yaml`` this is ``tlm compare recipes/compare/NAME.yaml --seeds S --jobs
-J`` (tlm_convert.compare.run_comparison: finished runs are collected, not rerun, so an interrupted benchmark
+J`` (tlm_study.compare.run_comparison: finished runs are collected, not rerun, so an interrupted benchmark
 continues where it stopped), then its compare.md tables go into one result file with:
 
 - a plain reading per mixer, split and pair, by one rule stated in the file: a pair's first arm **wins** when its
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tlm_convert.compare import load_compare, run_comparison, select  # noqa: E402
+from tlm_study.compare import load_compare, run_comparison, select  # noqa: E402
 
 STUDIES = ("cpu-attention", "cpu-titans", "cpu-shapes", "cpu-measured", "cpu-ratio150", "cpu-ratio140", "cpu-ratio125")
 RULE = ("wins: mean paired difference < 0 by more than its std over seeds, and at least n-1 of n seeds lower; "

@@ -1,4 +1,4 @@
-"""Residual alignment ρ_MLP (tlm_train.analyze, design/model.md §3.5): hooks against a by-hand forward, constructed
+"""Residual alignment ρ_MLP (tlm_study.analyze, design/model.md §3.5): hooks against a by-hand forward, constructed
 parallel / antiparallel / orthogonal writes, position 0 excluded, Pearson r, hook cleanup, and ``tlm analyze``."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tlm_cli.main import tlm_main
-from tlm_train.analyze import (
+from tlm_study.analyze import (
     AlignmentResult,
     AnalysisError,
     ReferenceStats,

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-import tlm_convert.compare as compare_module
-from tlm_convert.compare import (CompareSpec, format_tables, paired, parse_seeds, parse_split, prefix_schedule_steps,
+import tlm_study.compare as compare_module
+from tlm_study.compare import (CompareSpec, format_tables, paired, parse_seeds, parse_split, prefix_schedule_steps,
                                  run_comparison, run_recipes, select, summarize)
 from tlm_train.recipe import RecipeError, recipe_from_dict
 from tlm_train.trainer import lr_factor

@@ -19,7 +19,7 @@ def test_every_error_is_a_tlm_error_and_keeps_its_builtin_base(kind):
 
 
 def test_errors_are_importable_from_their_old_modules():
-    from tlm_train.analyze import AnalysisError
+    from tlm_study.analyze import AnalysisError
     from tlm_train.recipe import RecipeError
     from tlm_train.state_io import StateError
     from tlm_train.trainer import TrainError

@@ -1,4 +1,4 @@
-"""The packages' import graph: the floors ``tlm`` <- ``tlm_io`` <- ``tlm_train`` <- ``tlm_convert`` <- ``tlm_cli``
+"""The packages' import graph: the floors ``tlm`` <- ``tlm_io`` <- ``tlm_train`` <- ``tlm_convert`` <- ``tlm_study`` <- ``tlm_cli``
 (each package imports only the packages before it), no import cycles (module level and inside functions alike), no
 project import inside a function, and no module importing another module's underscore names.
 ``python tests/test_imports.py`` prints the graph."""
@@ -8,7 +8,7 @@ from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_cli")  # the floors, bottom first
+PACKAGES = ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_study", "tlm_cli")  # the floors, bottom first
 # ``python -m tlm_convert`` / ``torchrun -m tlm_train`` are entry points that only start the CLI floor above their
 # package; nothing imports a __main__ module, so it adds no arrow that another module could follow back down.
 ENTRY_POINTS = ("__main__",)

@@ -80,7 +80,7 @@ def test_recipe_semantics_and_overrides(tmp_path):
 
 
 def test_every_recipe_in_the_repo_validates():
-    from tlm_convert.compare import load_compare
+    from tlm_study.compare import load_compare
 
     files = sorted((ROOT / "recipes").rglob("*.yaml"))
     assert len(files) >= 10

@@ -14,7 +14,7 @@ import click
 import torch
 import torch.distributed as dist
 
-from tlm_convert.compare import format_tables, load_compare, run_comparison, select
+from tlm_study.compare import format_tables, load_compare, run_comparison, select
 from tlm_io.errors import ConversionError, TrainError, one_line
 from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
@@ -23,7 +23,7 @@ from tlm_io.locate import resolve_builtin
 from tlm_io.outputs import check_writable_parent
 from tlm_io.perplexity import strided_perplexity
 from tlm_io.text import eval_sources, load_text, text_prefix, token_blocks
-from tlm_train.analyze import residual_alignment, save_alignment, suggest_ratio
+from tlm_study.analyze import residual_alignment, save_alignment, suggest_ratio
 from tlm_train.budget import TRAIN_MAX_HOURS, Limits
 from tlm_train.prepare import prepare_data
 from tlm_train.recipe import load_recipe

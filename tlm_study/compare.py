@@ -45,7 +45,7 @@ from tlm_train.prepare import prepare_data
 from tlm_train.recipe import apply_overrides, build_spec, recipe_from_dict
 from tlm_train.trainer import list_checkpoints, train, wsd_decay_start
 
-from .convert import ConvertOptions, convert
+from tlm_convert.convert import ConvertOptions, convert
 
 logger = logging.getLogger(__name__)
 
