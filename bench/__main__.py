@@ -1,4 +1,5 @@
-"""``python -m bench``: list, run one benchmark, or regenerate bench/RESULTS.md (bench/suite.py, bench/report.py)."""
+"""``python -m bench``: list, run one benchmark, or regenerate bench/RESULTS.md, bench/STUDIES.md and the docs'
+generated blocks (bench/suite.py runs, bench/report.py renders; neither imports the other)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {args.name} has no --quick mode (it measures a real model)", file=sys.stderr)
                 return 2
             path = suite.run_wrapped(args.name, extra)
+            if args.name == "heal-curve":
+                report.draw_heal_curve()
         else:
             path = suite.run(args.name, args.quick, extra, args.results_dir)
     except suite.SuiteError as err:

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--studies", default=",".join(STUDIES))
     parser.add_argument("--seeds", default="0-4")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--png-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--png-dir", default=str(ROOT / "bench" / "results" / "studies" / "compare"))
     args = parser.parse_args()
     png_dir = Path(args.png_dir)
     png_dir.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,12 @@ two-phase learning-rate schedule: the M steps restarted their warmup and cosine)
 the summary (superseded).
 
 Every run is ``tlm_train.train`` on a recipe built below (bytes as tokens, the bundled English text, held-out
-``default-eval``); results are appended to bench/results/evidence.jsonl one line per run, and runs already there are
-skipped, so an interrupted benchmark is resumed by running the same command again. Runs go ``--workers`` at a time
+``default-eval``); results are appended to bench/results/studies/evidence/evidence.jsonl one line per run, and runs
+already there are skipped, so an interrupted benchmark is resumed by running the same command again. Runs go ``--workers`` at a time
 with one thread each.
 
     python bench/evidence.py --workers 2                    # every run, cheapest evidence first
-    python bench/evidence.py --summary                      # the tables for bench/RESULTS.md
+    python bench/evidence.py --summary                      # the tables for bench/STUDIES.md
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-RESULTS = HERE / "results" / "evidence.jsonl"
+RESULTS = HERE / "results" / "studies" / "evidence" / "evidence.jsonl"
 RUNS = HERE / "runs" / "evidence"  # checkpoints and metrics (git-ignored)
 
 MIXERS = ("attention", "gated_attention", "titans", "hope_attention", "titans_mag")

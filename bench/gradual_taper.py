@@ -8,10 +8,10 @@ stage calibrates on the same text: the bundled mix and the source's own samples 
 calibration_samples.txt), equal shares, as the default conversion does. The final model is evaluated as
 bench/quality_ablation.py evaluates (first 16,384 tokens of every bundled set, disjoint 512-token windows) against
 the source's cached perplexities, and written as a heal curve of one point (bench/heal_curve.py's keys), which
-``python -m bench report`` shows beside the one-shot conversions' curves.
+``python -m bench report`` shows in the gradual-taper study (bench/STUDIES.md) beside the one-shot conversions'.
 
     python bench/gradual_taper.py --samples runs/q/obs_default/calibration_samples.txt --stages 3 \\
-        --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/quality/heal_gradual3.json
+        --heal-tokens 24576 --work runs/q/gradual3 --out bench/results/studies/gradual-taper/heal_gradual3.json
 """
 
 from __future__ import annotations

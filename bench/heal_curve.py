@@ -5,14 +5,15 @@ learning rate after warmup, so the state after N tokens is that of a heal of N t
 evaluated, and resumed (tlm train's exact resume). The evaluation is ``tlm eval``'s protocol with disjoint windows:
 the first --eval-tokens tokens of each set in blocks of --seq-len (the conversion report's perplexity). Point 0
 and the source perplexity come from the converted model's conversion_report.json (convert with --eval-data
-all-eval). Wall and CPU seconds (user + system of this process) are those of the training alone, cumulative.
+all-eval). A user choice's curve goes to bench/results/quality/heal_NAME.json with ``--choice`` (bench/RESULTS.md), a
+study's to bench/results/studies/STUDY/heal_NAME.json (bench/STUDIES.md). Wall and CPU seconds (user + system of this process) are those of the training alone, cumulative.
 
     tlm-convert smollm2-135m -o runs/conv --eval-data all-eval
     python bench/heal_curve.py runs/conv --work runs/heal_curve --points 25000 50000 100000 200000 400000 \\
-        --out bench/results/heal_curve.json
+        --out runs/heal_curve.json
     # a sweep point: other settings, a shorter run, a cheaper evaluation
     python bench/heal_curve.py runs/conv --work runs/sweep_lr1e-3 --points 25000 --set optim.lr=1e-3 \\
-        --set optim.min_lr=1e-3 --eval-tokens 4096 --out bench/results/heal_sweep.jsonl --append
+        --set optim.min_lr=1e-3 --eval-tokens 4096 --out runs/heal_sweep.jsonl --append
     # (the recipe's rate is relative to the weights' RMS; --set optim.lr_relative=false makes it absolute)
 
 The JSON is rewritten after every point (a stopped run keeps the points it measured).
@@ -55,8 +56,12 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="recipe override key=value")
     parser.add_argument("--eval-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench/results/heal_curve.json")
+    parser.add_argument("--out", default="runs/heal_curve.json",
+                        help="a choice's heal: bench/results/quality/heal_NAME.json; a study's: "
+                             "bench/results/studies/STUDY/heal_NAME.json [runs/heal_curve.json]")
     parser.add_argument("--append", action="store_true", help="append one JSON line to --out (sweeps)")
+    parser.add_argument("--choice", default=None,
+                        help="the tlm-convert options this heal shows on bench/RESULTS.md (\"\": the default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -78,7 +83,7 @@ def main() -> None:
     result = {"converted": args.converted, "baseline": args.baseline, "teacher": teacher, "overrides": args.overrides,
               "eval_tokens": args.eval_tokens, "seq_len": report["seq_len"], "threads": args.threads,
               "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
-              "source_perplexity": before,
+              "source_perplexity": before, **({"choice": args.choice} if args.choice is not None else {}),
               "points": [{"tokens": 0, "wall_seconds": 0.0, "cpu_seconds": 0.0, **ratios(before, zero, in_domain)}]}
     wall = cpu = 0.0
     out = Path(args.out)

@@ -36,7 +36,7 @@ MemAvailable is at least --gemma-min-free-gb.
 
     nice -n 19 python bench/heal_step.py --gemma                  # SmolLM2-135M side by side, Gemma's peak
     python bench/heal_step.py --quick --out /tmp/h.json           # tiny random models: checks that it runs
-    nice -n 19 python bench/heal_step.py --sweep --out bench/results/heal_chunk_sweep.json   # the chunk default
+    nice -n 19 python bench/heal_step.py --sweep --out bench/results/studies/heal-step/heal_chunk_sweep.json   # the chunk default
 
 --sweep times tlm_train.losses.head_loss alone (forward + backward, bf16 autocast as above) at SmolLM2's and
 Gemma 3's head shapes for several chunks, each in its own subprocess for its peak RSS above the inputs.
@@ -484,7 +484,7 @@ def parse_args(argv=None):
     ap.add_argument("--gemma-min-free-gb", type=float, default=14.0, help="Gemma runs only with this much free")
     ap.add_argument("--sweep", action="store_true", help="only the chunk sweep of head_loss")
     ap.add_argument("--quick", action="store_true", help="tiny random models, 2 x 33 tokens: checks that it runs")
-    ap.add_argument("--out", default="bench/results/heal_step.json")
+    ap.add_argument("--out", default="bench/results/studies/heal-step/heal_step.json")
     ap.add_argument("--variants", type=lambda x: x.split(","), default=list(VARIANTS),
                     help="comma-separated, each BASE[/OPTION...] (see Variant) [%(default)s]")
     ap.add_argument("--gemma-variants", type=lambda x: x.split(","), default=["heal_chunked", "heal_topk"],

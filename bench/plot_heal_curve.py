@@ -1,11 +1,11 @@
 """Plot heal curves: the out-of-domain geometric mean of the perplexity ratio against heal tokens.
 
 Reads bench/heal_curve.py outputs (one JSON object, or JSON lines with --append: one run per line) and draws one
-line per run (its points in token order), labelled by its ``label`` or else its student folder's name and its recipe
-overrides; one panel per source model (the run's ``teacher``), the default's curve in black, issue 23's targets in red:
+line per run (its points in token order), labelled by its ``choice`` (the tlm-convert options), its ``label`` or else
+its student folder's name and its recipe overrides; one panel per source model (the run's ``teacher``), the default's
+curve in black, the conversion's targets in red:
 
-    python bench/plot_heal_curve.py bench/results/heal_curve_mix_lr1e-4_b4.json \\
-        bench/results/heal_self_400k_cos3e-4.jsonl --out bench/results/heal_curves.png
+    python bench/plot_heal_curve.py bench/results/quality/heal_*.json runs/heal_sweep.jsonl --out runs/heal_curves.png
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def runs(path: Path) -> list[dict]:
 
 
 def label(run: dict) -> str:
+    if "choice" in run:
+        return run["choice"] or "the default"
     if run.get("label"):
         return run["label"]
     settings = [o.split(".", 1)[1] for o in run.get("overrides", []) if "." in o]
@@ -34,7 +36,7 @@ def label(run: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--out", default="bench/results/heal_curves.png")
+    parser.add_argument("--out", default="runs/heal_curves.png")
     args = parser.parse_args()
 
     import matplotlib
@@ -55,8 +57,8 @@ def main() -> None:
             style = dict(color="black", linewidth=2.5, zorder=3) if run.get("default") else dict(color=next(colors))
             ax.plot(tokens, [p["ood_geomean"] for p in points], marker="o", label=label(run), **style)
         ax.plot([1e4, 24576], [1.30, 1.25], linestyle="none", marker="*", markersize=12, color="red",
-                label="issue 23 targets: x1.30 converted, x1.25 at 25k tokens")
-        ax.axhline(1.15, color="red", linestyle="--", linewidth=1, label="issue 23 target: x1.15 within 1 h of CPU")
+                label="targets: x1.30 converted, x1.25 at 25k tokens")
+        ax.axhline(1.15, color="red", linestyle="--", linewidth=1, label="target: x1.15 within 1 h of CPU")
         ax.set_xscale("log")
         ax.set_xlabel("heal tokens (the first point, drawn at 10^4, is 0: right after conversion)")
         ax.set_title(f"{teacher}: healing by distillation\n(--ratio 1.5/0.5 unless a label names another)")

@@ -4,14 +4,16 @@ bundled evaluation set against the source.
 
     python bench/quality_ablation.py NAME [--source SRC] [--calibration-data SRC] [--calibration-tokens N]
         [--schedule S] [--ratio R] [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE]
-        [--save DIR]
+        [--save DIR] [--choice OPTIONS | --study STUDY]
 
 ``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
 seconds (user+sys of this process, all threads) and wall seconds are recorded. Evaluation: the first 16,384 tokens
 of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
 512``; the source's perplexities are cached in bench/results/quality/source.json (SmolLM2-135M) or
-source_SRC.json (another source). Writes bench/results/quality/NAME.json, which names its source.
+source_SRC.json (another source). Writes bench/results/quality/NAME.json (a user choice's row on bench/RESULTS.md:
+``--choice`` names its tlm-convert options, "" for the default) or, with ``--study STUDY``,
+bench/results/studies/STUDY/NAME.json (a row of that study on bench/STUDIES.md); the row names its source.
 
 ``--calibration-cache FILE`` keeps the calibration blocks (and the ``self`` samples among them) in a safetensors
 file: the first row that names it draws them, later rows read the same tokens, so the rows of an ablation differ
@@ -84,9 +86,13 @@ def main() -> None:
                     help="the seed of the self samples' draw [the conversion's default]")
     ap.add_argument("--calibration-cache", default=None, help="safetensors file of the calibration blocks")
     ap.add_argument("--save", default=None, help="write the converted model and a report here (for heal_curve.py)")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--choice", default=None, help="the tlm-convert options this row shows (\"\": the default)")
+    where.add_argument("--study", default=None, help="the study (bench/studies.py) this row belongs to")
     args = ap.parse_args()
+    out = RESULTS.parent / "studies" / args.study if args.study else RESULTS
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model, tokenizer, src = load_model(args.source)
     opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
@@ -137,8 +143,9 @@ def main() -> None:
            "threads": torch.get_num_threads(),
            "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
                                 "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},
-           "ood_geomean": entries.get("perplexity_ratio_ood_geomean")}
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(row, indent=1))
+           "ood_geomean": entries.get("perplexity_ratio_ood_geomean"),
+           **({"choice": args.choice} if args.choice is not None else {})}
+    (out / f"{args.name}.json").write_text(json.dumps(row, indent=1))
     if args.save:
         save(model, src, tokenizer, samples, entries, sources, opts, Path(args.save), args.source)
     ratios = " ".join(f"{k}={v['ratio']:.3f}" for k, v in row["sets"].items())

@@ -2,11 +2,12 @@
 
     python -m bench list                     # the benchmarks, their topic and what they run
     python -m bench NAME [--quick] [ARGS]    # run one; ARGS go to its script; writes bench/results/NAME.json
-    python -m bench report [--check]         # regenerate bench/RESULTS.md from the result files
+    python -m bench report [--check]         # regenerate bench/RESULTS.md, bench/STUDIES.md and the docs' blocks
 
 A result file is the script's own JSON object with the envelope keys of bench/README.md ("Result files") added:
 ``benchmark``, ``topic``, ``title``, ``command``, ``machine``, ``torch``, ``threads``, ``date``, ``quick`` and
-``tables`` (what bench/RESULTS.md shows). ``--quick`` runs a benchmark on tiny shapes to check that it runs; its
+``tables`` (what bench/RESULTS.md shows; a study's benchmark writes under bench/results/studies/STUDY/ and
+shows on bench/STUDIES.md). ``--quick`` runs a benchmark on tiny shapes to check that it runs; its
 figures are not measurements, so it writes under runs/bench-quick/ unless ``--results-dir`` says otherwise.
 """
 
@@ -27,6 +28,7 @@ from typing import Callable
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
+STUDIES = RESULTS / "studies"  # a study's result files, one folder a study (bench/STUDIES.md)
 QUICK_RESULTS = ROOT / "runs" / "bench-quick"
 
 TOPICS = {  # the order of bench/RESULTS.md
@@ -46,8 +48,12 @@ class SuiteError(ValueError):
     """A benchmark run that cannot start (names the problem and the fix)."""
 
 
-def result_path(name: str, results_dir: Path = RESULTS) -> Path:
-    """Where benchmark ``name`` writes: its name with ``-`` as ``_``, under ``results_dir``."""
+def result_path(name: str, results_dir: Path | None = None) -> Path:
+    """Where benchmark ``name`` writes: its name with ``-`` as ``_``, under ``results_dir`` (by default
+    bench/results/, or its study's folder for a study's benchmark)."""
+    study = BENCHMARKS[name].study if name in BENCHMARKS else None
+    if results_dir is None:
+        results_dir = STUDIES / study if study else RESULTS
     return results_dir / f"{name.replace('-', '_')}.json"
 
 
@@ -268,6 +274,7 @@ class Benchmark:
     reads: str | None = None         # the file such a script writes (relative to the root)
     png: str | None = None           # a picture the benchmark draws (relative to the root)
     notes: list[str] = field(default_factory=list)
+    study: str | None = None         # the study it belongs to (bench/STUDIES.md); None: bench/RESULTS.md
 
 
 BENCHMARKS = {b.name: b for b in [
@@ -306,20 +313,21 @@ BENCHMARKS = {b.name: b for b in [
               tables=data_path_tables),
     Benchmark("evidence", "evidence", "Tapered vs uniform vs reverse from scratch; converted vs scratch",
               ["bench/evidence.py", "--workers", "2"], tables=evidence_tables, out_flag=None,
-              reads="bench/results/evidence.jsonl"),
+              reads="bench/results/studies/evidence/evidence.jsonl", study="evidence"),
     Benchmark("compare", "evidence", "Converted-then-trained vs trained as it is, and the shapes from scratch",
               ["bench/compare_study.py", "--jobs", "2"], tables=compare_tables,
               notes=["The runs are `tlm compare recipes/compare/NAME.yaml --seeds 0-4 --jobs 2` (the studies' "
-                     "headers give the model, data and cost); curves: the `pictures` of the result file."]),
+                     "headers give the model, data and cost); curves: the `pictures` of the result file."],
+              study="compare"),
     Benchmark("train-overhead", "other", "Framework overhead of `tlm train` against a bare loop",
               ["bench/train_overhead.py", "--rounds", "6", "--steps", "30"],
               quick=["--rounds", "1", "--steps", "2", "--warmup", "1"], tables=train_overhead_tables,
               out_flag="--json"),
     Benchmark("heal-step", "other", "The heal step: plain, whole-logit KL, chunked KL", ["bench/heal_step.py", "--gemma"],
-              quick=["--quick", "--threads", "1"], tables=heal_step_tables),
+              quick=["--quick", "--threads", "1"], tables=heal_step_tables, study="heal-step"),
     Benchmark("heal-chunk-sweep", "other", "The chunk of the chunked distillation loss",
               ["bench/heal_step.py", "--sweep", "--rss-steps", "2"], quick=["--sweep", "--quick", "--threads", "1"],
-              tables=heal_step_tables),
+              tables=heal_step_tables, study="heal-step"),
     Benchmark("gemma3", "quality", "Gemma 3 270M: the second family, converted and healed",
               ["bench/convert_run.py", "--", "gemma3-270m", "--eval-data", "all-eval", "--heal-tokens", "24576"],
               tables=convert_run_tables),
@@ -385,9 +393,8 @@ def run(name: str, quick: bool = False, extra: list[str] | None = None, results_
     """Run benchmark ``name`` and write its result file; returns its path."""
     bench = BENCHMARKS[name]
     extra = list(extra or [])
-    results_dir = results_dir or (QUICK_RESULTS if quick else RESULTS)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    target = result_path(name, results_dir)
+    target = result_path(name, results_dir or (QUICK_RESULTS if quick else None))
+    target.parent.mkdir(parents=True, exist_ok=True)
     cmd = script_command(bench, quick, extra)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as tmp:
@@ -419,23 +426,20 @@ def stamp(path: Path, name: str, extra: list[str]) -> None:
 
 
 def run_wrapped(name: str, extra: list[str]) -> Path:
-    """``quality`` and ``heal-curve``: the script writes its own file (under bench/results/quality/); the suite
-    stamps the envelope on it and, for heal curves, redraws the picture."""
+    """``quality`` and ``heal-curve``: the script writes its own file (under bench/results/quality/, or a study's
+    folder under bench/results/studies/); the suite stamps the envelope on it."""
     if name == "quality" and (not extra or extra[0].startswith("-")):
         raise SuiteError("quality needs the row's NAME first: python -m bench quality NAME [quality_ablation options]")
-    if name == "heal-curve" and not ("--out" in extra and extra.index("--out") + 1 < len(extra)
-                                     and extra[extra.index("--out") + 1].startswith("bench/results/quality/")):
-        raise SuiteError("heal-curve needs --out bench/results/quality/heal_NAME.json (the report reads heal curves "
-                         "there)")
+    out = extra[extra.index("--out") + 1] if "--out" in extra and extra.index("--out") + 1 < len(extra) else ""
+    if name == "heal-curve" and not out.startswith(("bench/results/quality/", "bench/results/studies/")):
+        raise SuiteError("heal-curve needs --out bench/results/quality/heal_NAME.json (a choice's heal) or "
+                         "bench/results/studies/STUDY/heal_NAME.json (a study's); the report reads heal curves there")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run(script_command(BENCHMARKS[name], False, extra), check=True, cwd=ROOT, env=env)
     if name == "quality":
-        path = RESULTS / "quality" / f"{extra[0]}.json"
+        study = extra[extra.index("--study") + 1] if "--study" in extra else None
+        path = (STUDIES / study if study else RESULTS / "quality") / f"{extra[0]}.json"
     else:
-        path = ROOT / extra[extra.index("--out") + 1]
+        path = ROOT / out
     stamp(path, name, extra)
-    if name == "heal-curve":
-        from bench import report
-
-        report.draw_heal_curve()
     return path

@@ -1,20 +1,27 @@
-"""The benchmark suite (``python -m bench``): RESULTS.md and the README table are what the result files give, every
-benchmark's command line is one its script accepts, and the --quick paths run."""
+"""The benchmark suite (``python -m bench``): RESULTS.md, STUDIES.md and the docs' generated blocks are what the
+result files give, RESULTS.md shows the defaults and each user choice once, every benchmark's command line is one its
+script accepts, and the --quick paths run."""
 
+import ast
 import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
+from graphlib import TopologicalSorter
 from pathlib import Path
 
+import click
 import pytest
 
-from bench import report, suite
+from bench import report, studies, suite, tables
 from bench.convert_run import README_ARGS
 from bench.grown_neurons import summary as grown_summary
+from bench.study_log import LOGS
 from tlm import taper_widths
+from tlm_cli.convert import convert_main
 from tlm_convert.convert import stage_ratio
 
 ROOT = Path(__file__).parent.parent
@@ -27,9 +34,11 @@ def bench(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_committed_results_md_and_readme_table_are_what_the_result_files_give():
-    assert report.render() == (ROOT / "bench" / "RESULTS.md").read_text()
-    assert report.readme_text() == (ROOT / "README.md").read_text(encoding="utf-8")
+def test_committed_pages_and_generated_blocks_are_what_the_result_files_give():
+    generated = report.generated()
+    assert {report.RESULTS_MD, studies.STUDIES_MD, report.README} <= set(generated)
+    for path, text in generated.items():
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run `python -m bench report`"
     assert bench("report", "--check").returncode == 0
 
 
@@ -49,28 +58,100 @@ def test_the_readme_shows_the_demo_result_files_figures_and_stays_short():
     assert readme.count("\n") <= 200  # a five-minute read; method details go to docs/
 
 
-def test_results_md_is_short_and_every_section_names_its_command_and_machine():
-    text = (ROOT / "bench" / "RESULTS.md").read_text()
-    assert text.count("\n") < 560  # a ten-minute read (issue 24 added the compare study and Gemma's measured taper;
-    # 2026-12-04: the GPU section and the Fisher-draw study table, beyond the six superseded rows retired for them;
-    # then the heal's schedule rows and the larger calibration; 2026-12-05: the taper ratio's rows and studies,
-    # then 1.4/0.6's second conversion seed and its Gemma 3 270M rows, the owner's evidence for the default ratio,
-    # then 1.4/0.6's second calibration draw and its heal in the seed-0 order)
+MAX_LINE = 300  # a table row of short cells; a longer line is a story that belongs in its result file
+MAX_MAIN_FILES = 40
+
+
+def _user_options() -> set[str]:
+    params = convert_main.get_params(click.Context(convert_main))
+    return {o for p in params if isinstance(p, click.Option) for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
+
+
+def test_results_md_shows_the_defaults_and_each_user_choice_once():
+    """The main page's rule (it replaces a cap on its length): each quality row and heal curve on it is the default
+    or one choice of tlm-convert's own options (no method knob: those are studies), once per source; its benchmarks
+    are no study's; it reads at most MAX_MAIN_FILES result files; no line is longer than MAX_LINE (the per-row
+    stories stay in the files); every section names its command and machine."""
+    rows, curves = report.choice_files()
+    options = _user_options() - {"--set", "--help"}
+    for path, data in rows + curves:
+        words = shlex.split(data["choice"])
+        flags = [w.split("=", 1)[0] for w in words if w.startswith("-")]
+        assert set(flags) <= options and len(flags) <= 1, (path.name, data["choice"])
+    assert len(rows) == len({(report.source_of(d), d["choice"]) for _, d in rows})
+    assert len(curves) == len({(report.source_of(d), d["choice"]) for _, d in curves})
+    assert any(d["choice"] == "" for _, d in rows) and any(d["choice"] == "" for _, d in curves)
+    main_files = [*suite.RESULTS.glob("*.json"), *tables.QUALITY.glob("*.json")]
+    assert len(main_files) <= MAX_MAIN_FILES, len(main_files)
+    for path in suite.RESULTS.glob("*.json"):
+        assert suite.BENCHMARKS[json.loads(path.read_text())["benchmark"]].study is None, path.name
+    text = report.RESULTS_MD.read_text()
+    long = [line[:80] for line in text.splitlines() if len(line) > MAX_LINE]
+    assert not long, long
     for section in re.split(r"\n### ", text)[1:]:
-        assert "command: `" in section and "machine: " in section, section.splitlines()[0]
+        titled = section.splitlines()[0]
+        provenance = "command: `" in section and "machine: " in section
+        columns = "| machine |" in section and "| command |" in section
+        assert provenance or columns, titled
+
+
+def test_the_studies_page_shows_every_study_file_and_types_no_figure():
+    """Every file under bench/results/studies/ is named on STUDIES.md, in the folder of a study of bench/studies.py;
+    the studies' logs carry figures only as placeholders the report fills from a file."""
+    page = studies.STUDIES_MD.read_text(encoding="utf-8")
+    for path in sorted(suite.STUDIES.rglob("*")):
+        if path.is_file():
+            assert path.parent.name in studies.STUDIES_BY_NAME, path
+            assert path.suffix != ".json" or path.name in page, path.name
+    for name, log in LOGS.items():
+        assert name in studies.STUDIES_BY_NAME, name
+        for day, text in log:
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", day), (name, day)
+            typed = re.findall(r"x\d\.\d{2,}|\b1\.\d{3}\b", studies.PLACEHOLDER.sub("", text))
+            assert not typed, (name, day, typed)
+
+
+def test_a_placeholder_names_a_file_and_a_figure_it_holds():
+    files = tables.result_files()
+    assert studies.fill("{ood:fisher_token}", files) == f"x{files['fisher_token'][1]['ood_geomean']:.3f}"
+    point = next(p for p in files["heal_fisher_token"][1]["points"] if p["tokens"] == 24576)
+    assert studies.fill("{ood:heal_fisher_token@24576}", files) == f"x{point['ood_geomean']:.3f}"
+    assert studies.fill("{set:heal_fisher_token@24576:eval-code}", files) == f"{point['ratio']['eval-code']:.3f}"
+    for bad, message in (("{ood:no_such_file}", "no result file"), ("{ood:heal_fisher_token@7}", "no heal point"),
+                         ("{set:fisher_token:no-set}", "no such figure")):
+        with pytest.raises(tables.ReportError, match=message):
+            studies.fill(bad, files)
+
+
+def test_the_bench_modules_import_no_cycle():
+    """bench/report.py renders and bench/suite.py runs: neither imports the other's floor back."""
+    graph = {}
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "bench":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                deps.add(node.module.split(".", 1)[1])
+        graph[path.stem] = deps
+    list(TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert "report" not in graph["suite"] and "suite" in graph["report"]
 
 
 def test_every_file_under_bench_results_is_a_current_result_or_one_a_result_names():
-    named = set()
-    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+    named = {b.reads for b in suite.BENCHMARKS.values() if b.reads}
+    for path in sorted(suite.RESULTS.rglob("*.json")):
         data = json.loads(path.read_text())
+        if "benchmark" not in data:
+            assert path.parent == tables.QUALITY or path.is_relative_to(suite.STUDIES), path
+            continue
         assert ENVELOPE <= set(data), (path.name, sorted(ENVELOPE - set(data)))
         assert data["benchmark"] in suite.BENCHMARKS and data["topic"] in suite.TOPICS and not data["quick"]
         assert suite.result_path(data["benchmark"]) == path
         named |= set(re.findall(r"bench/results/[\w./-]+\.(?:png|jsonl)", json.dumps(data)))
     named.add("bench/results/heal_curve.png")  # drawn from the heal curves, shown by the heal section
-    others = {p.relative_to(ROOT).as_posix() for p in (ROOT / "bench" / "results").rglob("*")
-              if p.is_file() and p.suffix != ".json"}
+    others = {p.relative_to(ROOT).as_posix() for p in suite.RESULTS.rglob("*") if p.is_file() and p.suffix != ".json"}
     assert others <= named, sorted(others - named)
 
 
@@ -159,98 +240,104 @@ def test_a_benchmark_without_a_quick_mode_says_so_in_one_line():
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, args
 
 
-def test_the_report_picks_up_a_new_quality_row_and_heal_curve(tmp_path, monkeypatch):
+def _row(name, ratios, **extra):
+    return {"name": name, "command": f"python bench/quality_ablation.py {name} --save runs/q/{name}",
+            "machine": "test box; beside a long story that stays in the file", "date": "2026-12-06",
+            "sets": {k: {"before": 10.0, "after": 10 * v, "ratio": v, "in_domain": k == "default-eval"}
+                     for k, v in ratios.items()},
+            "ood_geomean": math.exp(sum(math.log(v) for k, v in ratios.items() if k != "default-eval")
+                                    / (len(ratios) - 1)), **extra}
+
+
+def _curve(name, ratios, **extra):
+    return {"converted": f"runs/q/{name}", "source_perplexity": {k: 10.0 for k in ratios}, "machine": "test box",
+            "date": "2026-12-06",
+            "command": f"python bench/heal_curve.py runs/q/{name} --work runs/q/h --out x.json",
+            "points": [{"tokens": 0, "ratio": ratios}, {"tokens": 4096, "ratio": {**ratios, "eval-code": 1.1},
+                                                        "cpu_seconds": 12.0, "wall_seconds": 13.0},
+                       {"tokens": 8192, "ratio": {**ratios, "eval-code": 1.05}, "cpu_seconds": 30.0}], **extra}
+
+
+def test_the_report_shows_each_choice_once_with_its_heal(tmp_path, monkeypatch):
     quality = tmp_path / "quality"
     quality.mkdir()
     ratios = {"default-eval": 1.5, "eval-fiction": 1.2, "eval-code": 1.25}
-    row = {"name": "new_row", "label": "a new row", "command": "python bench/quality_ablation.py new_row",
-           "machine": "test", "sets": {k: {"before": 10.0, "after": 10 * v, "ratio": v, "in_domain": k == "default-eval"}
-                                      for k, v in ratios.items()}, "ood_geomean": (1.2 * 1.25) ** 0.5}
-    curve = {"converted": "runs/q/new_row", "source_perplexity": {k: 10.0 for k in ratios}, "machine": "test",
-             "points": [{"tokens": 0, "ratio": ratios}, {"tokens": 4096, "ratio": {**ratios, "eval-code": 1.1},
-                                                         "cpu_seconds": 12.0, "wall_seconds": 13.0},
-                        {"tokens": 8192, "ratio": {**ratios, "eval-code": 1.05}}]}
-    rows = [{"grown": 40, "grown_down_norm_before": 0.01, "grown_down_norm_after": 0.03, "source_down_norm_before": 4.0,
-             "source_down_norm_after": 4.5, "grown_gate_proj_moved": 0.2, "source_gate_proj_moved": 0.1,
-             "grown_up_proj_moved": 0.3, "source_up_proj_moved": 0.1} for _ in range(2)]
-    rows[1]["grown_down_norm_after"] = 0.05
-    curve["grown_neurons"] = {"heal_tokens": 4096, **grown_summary(rows)}  # what --curve records
-    (quality / "new_row.json").write_text(json.dumps(row))
-    (quality / "heal_new_row.json").write_text(json.dumps(curve))
+    (quality / "new_row.json").write_text(json.dumps(_row("new_row", ratios, choice="", widths=[30, 20, 10])))
+    (quality / "heal_new_row.json").write_text(json.dumps(_curve("new_row", ratios, choice="")))
+    (quality / "ratio.json").write_text(json.dumps(_row("ratio", ratios, choice="--ratio 1.4/0.6")))
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "QUALITY", quality)
     monkeypatch.setattr(report, "HEAL_PNG", tmp_path / "none.png")
     text = report.render()
-    assert "| a new row | 1.500 | 1.200 | 1.250 | **x1.225** |" in text
-    assert "| new_row | 4,096 | 1.500 | 1.200 | 1.100 | **x1.149** | 12 | 13 |" in text
-    assert "command: `python bench/quality_ablation.py new_row`" in text
-    assert "| new_row | 4,096 | 80 in 2 layers | 0.0100 | 0.0400 | 4.500 | 0.2000 / 0.3000 | 0.1000 / 0.1000 |" in text
-    assert text.count("| new_row | 0 |") == 1
-    (quality / "heal_new_row_again.json").write_text(json.dumps({**curve, "label": "again"}))  # the same conversion
-    text = report.render()
-    assert text.count("| new_row | 0 |") == 1 and "| again | 0 |" not in text and "| again | 4,096 |" in text
-    one = {**curve, "converted": "runs/q/one_point", "label": "one point", "points": curve["points"][:2]}
-    (quality / "heal_one_point.json").write_text(json.dumps(one))  # its start is its conversion's row
-    text = report.render()
-    assert "| one point | 0 |" not in text and "| one point | 4,096 |" in text
-    gemma = {**row, "name": "gemma_row", "label": "a Gemma row", "source": "gemma3-270m",
-             "sets": {k: {**v, "before": 20.0} for k, v in row["sets"].items()}}
+    assert ("| the default | 30 .. 10 | 1.500 | 1.200 | 1.250 | **x1.225** |  | test box | 2026-12-06 | "
+            "`quality_ablation.py new_row` |") in text  # the machine's first clause, the command without its paths
+    assert "| `--ratio 1.4/0.6` |  | 1.500 |" in text
+    assert "| the default | x1.225 | x1.149 | x1.122 | 30 | test box | 2026-12-06 | `heal_curve.py runs/q/new_row` |" in text
+    assert "long story" not in text
+    smol = text.index("### SmolLM2-135M right after conversion")
+    assert smol < text.index("| the default | 30 .. 10 |") < text.index("| `--ratio 1.4/0.6` |")  # the default first
+    gemma = _row("gemma_row", {k: v + 0.1 for k, v in ratios.items()}, choice="", source="gemma3-270m")
     (quality / "gemma_row.json").write_text(json.dumps(gemma))
     (quality / "source_gemma3-270m.json").write_text(json.dumps({k: 20.0 for k in ratios}))  # the cache: no row
     text = report.render()
-    smol, gem = text.index("### SmolLM2-135M right after conversion"), text.index("### Gemma 3 270M right after")
-    assert smol < text.index("| a new row |") < gem < text.index("| a Gemma row |")  # a table per source
-    assert "Source perplexities (each row's `before`): default-eval (cal. domain) 20.000," in text[gem:]
-    (quality / "stray.json").write_text("{}")
-    with pytest.raises(report.ReportError, match="stray.json: neither a quality row"):
+    assert text.index("### SmolLM2-135M right after") < text.index("### Gemma 3 270M right after") < text.index("1.600")
+    assert "| the default | 30 .. 10 | **x1.225** | x1.149 | x1.122 | " in "\n".join(report.choices_block("smollm2-135m"))
+    (quality / "again.json").write_text(json.dumps(_row("again", ratios, choice="--ratio 1.4/0.6")))
+    with pytest.raises(report.ReportError, match=r"ratio.json: row of choice '--ratio 1.4/0.6' on smollm2-135m again \(again.json\)"):
+        report.render()
+    (quality / "again.json").unlink()
+    (quality / "knob.json").write_text(json.dumps(_row("knob", ratios)))  # no choice: a study's file
+    with pytest.raises(report.ReportError, match="knob.json: a file under bench/results/quality/ is a conversion row"):
+        report.render()
+    (quality / "knob.json").write_text("{}")
+    with pytest.raises(report.ReportError, match="knob.json: neither a benchmark's result"):
         report.render()
 
 
-def test_a_study_gathers_its_rows_with_their_heals_and_means_per_setting(tmp_path, monkeypatch):
-    """Rows with a ``study`` form one table (each with its heal at 24,576 tokens, a geometric mean over the last key
-    per setting of the others); outside it only the default row and a row marked ``in_main_tables`` stay in their
-    source's table and the heal table."""
-    quality = tmp_path / "quality"
-    quality.mkdir()
-    study = {"name": "draws", "title": "the draw study", "command": "quality_ablation.py NAME",
-             "heal_command": "heal_curve.py runs/q/NAME", "machine": "two lanes"}
+def test_a_study_gathers_its_rows_heals_and_log(tmp_path, monkeypatch):
+    """A study's rows with ``study`` keys form one table (each with its heal at 24,576 tokens, a geometric mean over
+    the last key per setting of the others); other rows and loose heal curves get tables of their own; its log's
+    placeholders are filled from the files."""
+    folder = tmp_path / "draws"
+    folder.mkdir()
+    keys = {"name": "draws", "command": "quality_ablation.py NAME", "heal_command": "heal_curve.py runs/q/NAME"}
+    files = {}
 
-    def row(name, ood, draws, seed, default=False, mask="sequence", main=False):
-        sets = {"default-eval": {"before": 10.0, "after": 15.0, "ratio": 1.5, "in_domain": True},
-                "eval-code": {"before": 10.0, "after": 10 * ood, "ratio": ood, "in_domain": False}}
-        data = {"name": name, "label": name, "sets": sets, "ood_geomean": ood, "command": "c", "machine": "m",
-                "study": {**study, **({"in_main_tables": True} if main else {}), "mask": mask, "fisher_draws": draws,
-                          "seed": seed}}
-        (quality / f"{name}.json").write_text(json.dumps({**data, "default": True} if default else data))
-        curve = {"converted": f"runs/q/{name}", "label": f"healed {name}", "source_perplexity": {"default-eval": 10.0,
-                 "eval-code": 10.0}, "command": "h", "machine": "m", "study": data["study"],
-                 "points": [{"tokens": 0, "ratio": {"default-eval": 1.5, "eval-code": ood}},
-                            {"tokens": 24_576, "ratio": {"default-eval": 1.4, "eval-code": ood - 0.1}}]}
-        (quality / f"heal_{name}.json").write_text(json.dumps({**curve, "default": True} if default else curve))
+    def put(name, data):
+        (folder / f"{name}.json").write_text(json.dumps(data))
+        files[name] = (folder / f"{name}.json", data)
 
-    row("d1s0", 1.44, 1, 0, default=True)
-    row("d1s1", 1.21, 1, 1)
-    row("d2s0", 1.30, 2, 0)
-    row("t1s0", 1.25, 1, 0, mask="token")
-    row("t1s1", 1.16, 1, 1, mask="token", main=True)
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    monkeypatch.setattr(report, "QUALITY", quality)
-    monkeypatch.setattr(report, "HEAL_PNG", tmp_path / "none.png")
-    text = report.render()
-    table = text[text.index("### the draw study"):]
-    assert "| sequence | 1 | 0 | 1.500 | 1.440 | x1.440 | x1.340 |" in table
-    assert "| sequence | 2 | 0 | 1.500 | 1.300 | x1.300 | x1.200 |" in table
+    for name, ood, draws, seed, mask in (("d1s0", 1.44, 1, 0, "sequence"), ("d1s1", 1.21, 1, 1, "sequence"),
+                                         ("d2s0", 1.30, 2, 0, "sequence"), ("t1s0", 1.25, 1, 0, "token"),
+                                         ("t1s1", 1.16, 1, 1, "token")):
+        ratios = {"default-eval": 1.5, "eval-code": ood}
+        put(name, _row(name, ratios, study={**keys, "mask": mask, "fisher_draws": draws, "seed": seed}))
+        curve = _curve(name, ratios)
+        curve["points"][1] = {"tokens": 24_576, "ratio": {"default-eval": 1.4, "eval-code": ood - 0.1}}
+        put(f"heal_{name}", curve)
+    put("other", _row("other", {"default-eval": 1.5, "eval-code": 1.3}, label="another row"))
+    grown = [{"grown": 40, "grown_down_norm_before": 0.01, "grown_down_norm_after": 0.03, "source_down_norm_before": 4.0,
+              "source_down_norm_after": 4.5, "grown_gate_proj_moved": 0.2, "source_gate_proj_moved": 0.1,
+              "grown_up_proj_moved": 0.3, "source_up_proj_moved": 0.1} for _ in range(2)]
+    grown[1]["grown_down_norm_after"] = 0.05
+    put("heal_loose", {**_curve("elsewhere", {"default-eval": 1.5, "eval-code": 1.3}), "label": "a loose heal",
+                       "grown_neurons": {"heal_tokens": 4096, **grown_summary(grown)}})  # what --curve records
+    monkeypatch.setattr(studies, "STUDIES", tmp_path)
+    monkeypatch.setitem(studies.LOGS, "draws", [("2026-12-06", "seed 0 {ood:d1s0}, healed {ood:heal_d1s0@24576}; "
+                                                               "mean {gmean:d1s0,d1s1}")])
+    study = studies.Study("draws", "the draw study", "Does the draw matter?", varied="draws", grown=True)
+    text = "\n".join(studies.section(study, files))
+    assert text.startswith("## the draw study\n\n*2026-12-06; files: ")
+    assert "- **2026-12-06**: seed 0 x1.440, healed x1.340; mean x1.320" in text
+    assert "| sequence | 1 | 0 | 1.500 | 1.440 | x1.440 | x1.340 |" in text
+    assert "| d1s0.json, heal_d1s0.json |" in text
     # sqrt(1.44 * 1.21), sqrt(1.34 * 1.11); sqrt(1.25 * 1.16), sqrt(1.15 * 1.06)
-    assert "| sequence | 1 | mean of 2 |  |  | **x1.320** | **x1.220** |" in table
-    assert "| token | 1 | mean of 2 |  |  | **x1.204** | **x1.104** |" in table
-    assert "mean of 1" not in table and "mean of 4" not in table
-    assert "*command: `quality_ablation.py NAME`, its heal `heal_curve.py runs/q/NAME`; machine: two lanes" in table
-    main = text[:text.index("### the draw study")]
-    assert "| d1s0 |" in main and "| d1s1 |" not in main and "| d2s0 |" not in main and "| t1s0 |" not in main
-    assert "| t1s1 |" in main  # in_main_tables: in the study (its mean above) and in the main tables
-    heal = text[text.index("## 2."):]
-    assert "| healed d1s0 | 24,576 |" in heal and "healed d1s1" not in heal and "healed d2s0" not in heal
-    assert "| healed t1s1 | 24,576 |" in heal
+    assert "| sequence | 1 | mean of 2 |  |  | **x1.320** | **x1.220** |" in text
+    assert "| token | 1 | mean of 2 |  |  | **x1.204** | **x1.104** |" in text
+    assert "mean of 1" not in text and "*command: `quality_ablation.py NAME`, its heal `heal_curve.py runs/q/NAME`." in text
+    assert "| another row | SmolLM2-135M | 1.500 | 1.300 | **x1.300** |" in text
+    assert "| a loose heal | SmolLM2-135M | 0 | 1.500 | 1.300 | **x1.300** |" in text  # its start: no row shows it
+    assert "| a loose heal | 4,096 | 80 in 2 layers | 0.0100 | 0.0400 | 4.500 | 0.2000 / 0.3000 | 0.1000 / 0.1000 |" in text
 
 
 def test_the_compare_reading_follows_its_rule():
