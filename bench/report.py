@@ -233,17 +233,23 @@ def choices_block(source: str) -> list[str]:
         raise ReportError(f"no conversion row of source {source!r} under bench/results/quality/")
     tokens = heal_tokens(curves)
     columns = ["choice", "widths (first .. last)", "OOD converted", *(f"healed {t:,}" for t in tokens),
-               "convert CPU s", "heal CPU s to 24,576"]
+               "convert CPU s", "heal CPU s per 24,576 tokens"]
     table = []
     for _, d in rows:
         heal = next((c for _, c in curves if c["choice"] == d["choice"]), None)
-        at = {p["tokens"]: p for p in heal["points"]} if heal else {}
         table.append([choice_label(d), widths(d), f"**{x3(d['ood_geomean'])}**",
                       *(heal_cells(heal, tokens) if heal else [None] * len(tokens)), f0(convert_cpu(d)),
-                      f0(at[24_576].get("cpu_seconds")) if 24_576 in at else None])
+                      f0(heal_rate(heal))])
     return [*markdown({"columns": columns, "rows": table}),
-            f"*{SOURCE_NAMES.get(source, source)}, one CPU thread a job; each row's command and machine: "
-            "[bench/RESULTS.md](../bench/RESULTS.md).*"]
+            f"*{SOURCE_NAMES.get(source, source)}; CPU s: the process's CPU seconds; each row's command, machine and "
+            "threads: [bench/RESULTS.md](../bench/RESULTS.md).*"]
+
+
+def heal_rate(curve: dict | None) -> float | None:
+    """A heal's CPU seconds per 24,576 tokens over its longest point (a resumed run's early points may count less)."""
+    last = max(curve["points"], key=lambda p: p["tokens"]) if curve else None
+    return None if not last or not last["tokens"] or last.get("cpu_seconds") is None else \
+        last["cpu_seconds"] / last["tokens"] * 24_576
 
 
 def block(name: str) -> list[str]:
