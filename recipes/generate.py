@@ -71,8 +71,8 @@ HEAL_HEADER = """\
 # The heal of `tlm-convert --heal-tokens N` as a recipe: logit distillation (pure KL, alpha 1) of the converted
 # SmolLM2-135M from its source, on the bundled calibration sample, lr 5.2e-4 x the weights' RMS (lr_relative: about
 # 1e-4 for SmolLM2) constant after a short warmup, 4 x 512 tokens a step, bf16 autocast where it is fast.
-# Generated from tlm_convert.heal.HEAL_RECIPE by recipes/generate.py (edit it there); bench/RESULTS.md has the
-# measurements behind it. For long heals: smollm2-135m-heal-long.yaml.
+# Generated from tlm_convert.heal.HEAL_RECIPE by recipes/generate.py (edit it there); bench/STUDIES.md ("The heal's
+# recipe") has the runs behind it. For long heals: smollm2-135m-heal-long.yaml.
 # (tlm-convert's default also calibrates on text sampled from the source; this recipe trains on `default` only,
 # point data.train at OUT/calibration_samples.txt joined with it for the same data as --heal-tokens.)
 #   tlm-convert smollm2-135m -o out/smollm2-tlm

@@ -17,11 +17,8 @@ Topologies (``topology``):
   RMSNorm gains (``norms.{ℓ-1}.weight``, initialised to 1) are the only extra parameters: ``(k−1)·d`` per layer,
   not tapered. With zero ``down_proj`` on levels ≥ 2 the chain equals MLP_1 exactly.
 
-  Why the sub-stream starts at x (measured, bench/RESULTS.md "Hope-attention that trains"): the earlier form
-  ``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm(h_ℓ))`` normalised the *output* of level 1, which stays at 1-13% of its
-  input's RMS early in training, so the norm amplified it and its gradient by 1/rms: the CMS took 24-48% of the
-  clipped gradient norm (3-22% with the sub-stream), with spikes, and the model learned slowly (eval 3.28 vs
-  attention 2.85 nats/byte after 60 steps; 2.90 with the sub-stream).
+  Why the sub-stream starts at x: normalising level 1's *output* (``h_{ℓ+1} = h_ℓ + MLP_{ℓ+1}(RMSNorm(h_ℓ))``), small
+  early in training, amplified it and its gradient by 1/rms, and the model trained slowly.
 
 Modes per level (``modes``):
 

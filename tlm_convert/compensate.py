@@ -7,7 +7,7 @@ minimising ‖A_K D′ᵀ − A Dᵀ‖² + λ‖D′‖²:
 
 i.e. the kept columns plus the part of the pruned neurons' output that the kept neurons predict linearly.
 Solved in fp64 by Cholesky. The refit only ever applies to layers that shrink. ``DAMP`` = 1e-3 is the damping
-measured best on SmolLM2-135M (bench/RESULTS.md).
+measured best on SmolLM2-135M.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ log-likelihood estimates the sum over targets without one backward pass per targ
 the sum over t instead, Σ_s (Σ_t a_stj ∂ log p(y_s | x_s) / ∂a_stj)²: one mask a neuron per sequence, as Kwon et
 al. 2022 use mask gradients. Its expectation also holds the cross-position terms (removing a neuron removes it at
 every position at once), but it is one noisy square per sequence where the token mask sums a square per position;
-on SmolLM2-135M the token mask ranked better at every seed measured, at the same cost (bench/RESULTS.md, the
-Fisher study table).
+the token mask ranks better for the same cost (bench/STUDIES.md, "The Fisher estimate").
 
 The scores come from one forward and backward pass of the *source* model over the calibration blocks, before the
 layer loop (no parameter gradients are formed: the embeddings' output, or the first ranked layer's input, is the

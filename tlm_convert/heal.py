@@ -1,11 +1,10 @@
 """``tlm-convert --heal-tokens N``: logit distillation from the source right after the conversion.
 
-The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input
-checkpoint) on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: metrics.jsonl,
-progress, signals) with the recipe :data:`HEAL_RECIPE` (bench/RESULTS.md "Heal" has the runs behind it;
-recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file, generated from it). The learning rate
-is constant after a short warmup, so a heal of N tokens is the first N tokens of any longer one (the heal curve reads
-one run); recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
+The converted model (student) learns to reproduce the source's next-token distribution (teacher: the input checkpoint)
+on N tokens of the calibration data, through ``tlm train`` (tlm_train.trainer.train: metrics.jsonl, progress, signals)
+with the recipe :data:`HEAL_RECIPE` (recipes/cpt/smollm2-135m-heal.yaml is the same recipe as a ``tlm train`` file,
+generated from it). The learning rate is constant after a short warmup, so a heal of N tokens is the first N tokens of
+any longer one (the heal curve reads one run); recipes/cpt/smollm2-135m-heal-long.yaml is a 400k-token heal as a recipe.
 
 The student and the teacher stay in memory: the converted model is handed to the trainer (in fp32, the trainer's
 master weights: :func:`fp32_student`) and comes back trained, then in the conversion's dtype; the source is loaded
@@ -49,23 +48,15 @@ HEAL_DIR = "heal"  # in OUT: the heal's metrics.jsonl, recipe.yaml, run_summary.
 WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is published
 KEPT_FILES = ("metrics.jsonl", "recipe.yaml", "run_summary.json")
 
-# The heal's recipe (tlm_train.recipe keys) less what each conversion fills in: init_from, distill.teacher,
-# output_dir, data.train, data.seq_len, train.max_steps, train.device, seed. A low learning rate, constant after a
-# short warmup: a higher one made longer heals worse, a linear decay to 0 from 1-4x it healed within 0.7% of it at
-# 196,608 tokens, and a constant rate makes a heal of N tokens the first N tokens of any longer one (the heal curve
-# reads one run). The rate is relative to the weights' scale (optim.lr_relative: 5.2e-4 x the RMS of the trainable
-# matrices): SmolLM2-135M's RMS 0.19 gives it 9.9e-5, about the 1e-4 measured on it; Gemma 3 270M's 0.034 gives it
-# 1.8e-5, where an absolute 1e-4 made it worse than unhealed. bench/RESULTS.md ("Heal") has the runs behind these
-# values.
+# The heal's recipe less what each conversion fills in; its rate: bench/STUDIES.md, "The heal's recipe".
 # The one source of the heal's recipe: recipes/generate.py writes recipes/cpt/smollm2-135m-heal.yaml from it.
 HEAL_RECIPE = {
     "distill": {"alpha": 1.0, "temperature": 1.0},  # pure logit distillation (KL to the source), no LM term
     "data": {"eval_tokens": 512},  # the trainer's own held-out check: one block (the report evaluates the sets)
+    # relative to the weights' RMS; constant, so a heal of N tokens is the first N tokens of any longer one
     "optim": {"lr": 5.2e-4, "min_lr": 5.2e-4, "lr_relative": True, "warmup_steps": 5, "decay": "constant",
               "weight_decay": 0.0, "grad_clip": 1.0},
-    # 4 x seq_len tokens a step in two micro-batches of 2 (the same step as one of 4, less activation memory); the
-    # blocks train, the embedding (and the head tied to it) stays as the source's: the conversion does not change it,
-    # and its gradient and AdamW moments are a third of a Gemma 3 heal's memory
+    # 4 x seq_len tokens a step in two micro-batches; the embedding (and its tied head) stays the source's
     "train": {"batch_size": 2, "grad_accum": 2, "trainable": ["model.layers.*", "model.norm.*"],
               "precision": "auto"},  # bf16 autocast where it is fast (AVX512-BF16/AMX CPUs, CUDA), else fp32
     "log": {"every": 5, "eval_every": 0, "save_every": 1_000_000, "keep_last": 1, "tensorboard": False},
@@ -95,7 +86,7 @@ def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: 
                 overrides: tuple[str, ...] = (), cache_dir: str | None = None):
     """The tlm_train Recipe of a heal of ``tokens`` tokens (rounded up to whole steps) of ``data`` (one source:
     :func:`heal_data`) from ``student`` (init_from) to ``teacher`` (distill.teacher), in bf16 autocast where that is
-    fast on ``device`` (``precision: auto``: faster steps at the same heal quality; bench/RESULTS.md), else fp32.
+    fast on ``device`` (``precision: auto``: faster steps at the same heal quality), else fp32.
     :func:`heal` passes the source as both: its student is the source's conversion, handed to the trainer in memory
     (init_from is then the record of where it came from).
     ``overrides``: ``key.path=value`` changes of the defaults (the sweeps of bench/heal_curve.py); ``cache_dir``:

@@ -28,8 +28,7 @@ Metrics (one score per neuron; compared only within a layer, higher = more impor
                 OBS's compensated error is counted in what it does to the whole model (:func:`sensitivity`)
 ==============  ==================================================================================
 
-bench/RESULTS.md holds the measured comparison of the metrics on SmolLM2-135M and Gemma 3 270M (``fisher`` measured
-best on both, right after conversion and after a heal; ``obs`` best of the per-layer metrics).
+``fisher`` is the default (bench/STUDIES.md, "Neuron ranking"); ``obs`` is the best of the per-layer metrics.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two refinements of a pruned layer's fit on the calibration tokens (measured in bench/RESULTS.md).
+"""Two refinements of a pruned layer's fit on the calibration tokens (method knobs, off by default).
 
 **Token weights** (``token_weighting``): the refit's least squares Σ_n w_n ‖a_n D′ᵀ − y_n‖² weighs every
 calibration token n by w_n instead of 1.

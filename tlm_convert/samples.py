@@ -1,7 +1,7 @@
 """Calibration text sampled from the source model itself: ``--calibration-data self``.
 
 A bundled or user sample covers the domains it holds, and the conversion keeps the neurons those domains use, so it
-loses most on the domains the sample lacks (bench/RESULTS.md compares calibration sources). The model's own samples
+loses most on the domains the sample lacks. The model's own samples
 stand for the blend it was trained on, so the default calibration is the bundled mix and such samples in equal
 shares.
 

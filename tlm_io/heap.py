@@ -4,7 +4,7 @@ A conversion frees every layer's tensors as the loop moves on. glibc raises its 
 freed and then serves later tensors from the heap, whose freed holes stay in the process's resident set: memory no
 tensor uses. :func:`return_freed_memory` fixes the threshold for the whole process (the CLI calls it once);
 :func:`trim_heap` gives the heap's free pages back now (the low-memory stream calls it after each layer).
-Values are never affected; bench/RESULTS.md has the measurement.
+Values are never affected.
 """
 
 from __future__ import annotations

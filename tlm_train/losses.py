@@ -34,8 +34,7 @@ import torch.nn.functional as F
 
 from tlm_io.errors import TrainError
 
-# Positions whose logits are formed at a time: the loss's speed and peak memory against the chunk at SmolLM2's and
-# Gemma 3's vocabularies are in bench/RESULTS.md "Heal step" (the chunk sweep).
+# Positions whose logits are formed at a time (bench/STUDIES.md, "The heal step's loss and its chunk").
 HEAD_CHUNK = 256
 
 
@@ -146,8 +145,8 @@ def _loss_and_grads(hs, ws, ht, wt, targets, kd_weight, lm_weight, temperature, 
     softmaxes and gradients in fp32 (fp64 when the products are).
 
     The (chunk, V) tensors of a chunk are written into buffers made once per call and reused by every chunk (a
-    fresh buffer of that size costs its page faults each time: about as much as the softmax on this kind of CPU,
-    bench/RESULTS.md "The heal step"); the values are those of the out-of-place formulas, bit for bit."""
+    fresh buffer of that size costs its page faults each time); the values are those of the out-of-place formulas,
+    bit for bit."""
     n = hs.shape[0]
     acc = torch.promote_types(dtype, torch.float32)
     ws_c = ws.to(dtype)  # (V, d): the head in the product dtype, cast once

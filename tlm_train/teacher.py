@@ -5,8 +5,7 @@ projections are *stored* in bf16 computes the same outputs bit for bit, with hal
 casts. :func:`store_for_autocast` does that to the teacher's nn.Linear layers whose parameters no other kind of module
 uses (a head tied to the embedding stays as it is: the embedding's lookup is not autocast), then checks it: the
 teacher's logits on a probe block, under autocast, before and after; any difference (a module that reads a projection's
-weight in another dtype) restores the original weights. On SmolLM2-135M it saves 204 MB of a heal's peak
-(bench/RESULTS.md "The heal step").
+weight in another dtype) restores the original weights.
 """
 
 from __future__ import annotations
