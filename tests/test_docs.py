@@ -52,10 +52,10 @@ def test_every_repository_path_the_docs_name_exists():
     assert len(named) >= 10
 
 
-MANUALS = sorted((ROOT / "docs").glob("*.md"))
+MANUALS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_the_manuals_type_no_measured_figure():
+def test_the_readme_and_manuals_type_no_measured_figure():
     """A figure a result file holds reaches a page through a generated block (`python -m bench report`) or a link,
     never typed: outside the blocks and the code, no perplexity ratio (x1.303) and no figure of three decimals."""
     for page in MANUALS:

@@ -4,14 +4,16 @@ tokenizer_config.json names a class transformers 4.x and 5.x both have (not v5's
 tokenizer auto_map; PreTrainedTokenizerFast reads it and tokenizes like the source. The config of `padded` loads
 with the stock config class and `deci`'s config.json is plain JSON with the fields llama.cpp's converter and vLLM
 read. In a fresh interpreter (no tlm imported, stdin answering the prompt) AutoTokenizer loads the hf, padded and
-gguf exports without asking to run custom code.
+gguf exports without asking to run custom code, and the README's Python example loads a `tlm` export so.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +77,20 @@ def test_auto_tokenizer_does_not_prompt(exports):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Do you wish to run the custom code" not in run.stdout
     assert run.stdout.split() == [w for fmt in PORTABLE for w in ("loaded", fmt)], run.stdout
+
+
+def test_the_readme_python_example_loads_a_tlm_export_without_a_prompt(exports):
+    """The README's Python example, on a tiny `tlm` export, in a fresh interpreter that never imports tlm and answers
+    any prompt with no: it loads the model and the tokenizer and generates, asking nothing."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    [example] = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert '"out/smollm2-tlm"' in example
+    code = example.replace('"out/smollm2-tlm"', repr(str(exports / "tlm")))
+    run = subprocess.run([sys.executable, "-c", code], input="\n", capture_output=True, text=True, timeout=300,
+                         cwd=exports)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Do you wish to run the custom code" not in run.stdout + run.stderr
+    assert run.stdout.startswith("The capital of France is"), run.stdout[-500:]
 
 
 def test_v5_only_class_rewritten(exports, tmp_path):
