@@ -6,7 +6,8 @@ bundled evaluation set against the source.
         [--schedule S] [--ratio R] [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE]
         [--save DIR] [--choice OPTIONS | --study STUDY]
 
-``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``). The conversion is
+``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``, ``--set shrink=fold``);
+the row's ``settings`` records every field. The conversion is
 the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
 seconds (user+sys of this process, all threads) and wall seconds are recorded. Evaluation: the first 16,384 tokens
 of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
@@ -45,6 +46,7 @@ from tlm_convert.convert import (MEASURED, SAMPLES_FILE, ConvertOptions, measure
                                  resolve_importance)
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.samples import calibration_blocks, samples_text
+from tlm_io.errors import ConversionError
 from tlm_io.export import export_model
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity
@@ -109,11 +111,16 @@ def main() -> None:
         cache.write_text(json.dumps(before, indent=1))
     settings = opts.layer_settings()
     fields = {f.name for f in dataclasses.fields(LayerSettings)}
+    overrides = {}
     for item in args.set:
         key, value = item.split("=", 1)
         if key not in fields:
             raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
-        setattr(settings, key, parse_value(value))
+        overrides[key] = parse_value(value)
+    try:  # LayerSettings checks its knobs (shrink, fold_iters): refused before the calibration
+        settings = dataclasses.replace(settings, **overrides)
+    except ConversionError as err:
+        raise SystemExit(f"--set: {err}") from None
     cpu0, wall0 = time.process_time(), time.perf_counter()
     cache_file = Path(args.calibration_cache) if args.calibration_cache else None
     if cache_file is not None and cache_file.is_file():

@@ -15,6 +15,8 @@ ENTRY_POINTS = ("__main__",)
 # the console entry points check the sizes their inputs declare before importing the commands' modules, which import
 # torch and transformers (seconds): the one place a project import waits inside a function, and only for these
 DEFERRED = {"tlm_cli/launch.py": {"tlm_cli.convert", "tlm_cli.main"}}
+# third-party libraries slow to import, imported inside the functions that use them: off every command's import path
+SLOW_LIBRARIES = ("sklearn",)
 
 
 def _imports(file: Path):
@@ -77,6 +79,12 @@ def test_no_project_import_inside_a_function():
     found = [f"{file.relative_to(ROOT)}: {base}" for package in PACKAGES for file in _files(package)
              for base, _, nested in _imports(file) if nested and base.split(".")[0] in PACKAGES
              and base not in DEFERRED.get(file.relative_to(ROOT).as_posix(), ())]
+    assert found == []
+
+
+def test_slow_libraries_are_imported_where_they_are_used():
+    found = [f"{file.relative_to(ROOT)}: {base}" for package in PACKAGES for file in _files(package)
+             for base, _, nested in _imports(file) if not nested and base.split(".")[0] in SLOW_LIBRARIES]
     assert found == []
 
 

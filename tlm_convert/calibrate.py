@@ -18,6 +18,8 @@ Per layer l, after z = mix(h) for every batch:
   those OBS keeps), refits the down projection by least squares from G_KK, and runs the resized MLP again. Where
   the activations take less memory than AᵀA (:meth:`MemoryPolicy.keeps`), it keeps them instead: the refit's
   system from the kept neurons' activations alone, and the output z + D′ a_K from them (no second MLP pass);
+* with ``shrink="fold"`` a shrinking layer merges all its neurons into clusters instead (tlm_convert.fold), and
+  refits the folded MLP's down projection on the folded neurons' own activations (a pass of the folded MLP);
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
@@ -46,6 +48,7 @@ from tlm_io.errors import ConversionError
 
 from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
 from .fisher import fisher_scores
+from .fold import FOLD_ITERS, check_shrink, fold_merge
 from .importance import OBS_METRICS, WHOLE_MODEL, StopForward, activation_stats, add_gram, neuron_scores, sensitivity
 from .reconstruct import reconstruct_mlp, token_weights
 from .surgery import LayerPlan, plan_from_scores, resize_layer
@@ -166,6 +169,12 @@ class LayerSettings:
     fisher_draws: int = 1  # targets drawn per sequence by the Fisher pre-pass (one backward each), scores averaged
     fisher_mask: str = "token"  # the Fisher pre-pass's mask: one a neuron and position, or a sequence (fisher.MASKS)
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
+    shrink: str = "drop"  # a shrinking layer keeps its top-scored neurons, or folds all into clusters
+    # (fold.SHRINK_METHODS)
+    fold_iters: int = FOLD_ITERS  # the fold's k-means iterations from the kept neurons; 0: the kept stay as they are
+
+    def __post_init__(self):
+        check_shrink(self.shrink, self.fold_iters)
 
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widths: list[int],
@@ -222,6 +231,7 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
     seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank" (scores, plan, the refit's
     solve) and "resize" (new weights and the MLP passes that use them)."""
     timer = timer or _no_timer
+    check_shrink(settings.shrink, settings.fold_iters)  # a field set after construction, before any token runs
     if not calibration_needed(base.config.intermediate_sizes, widths, settings):
         return _pass_through(base, layers, progress)
     residual = settings.refit and settings.refit_target == "residual" and not base.config.sandwich_norm
@@ -385,11 +395,12 @@ class _LayerStep:
     def reconstructs(self, layer) -> bool:
         return self.settings.reconstruct_epochs > 0 and not layer.sandwich
 
-    def reconstruct(self, i, layer, plan, mixed, targets, weights) -> list:
-        """Resize, then train the pruned MLP towards the refit's ``targets`` (reconstruct.reconstruct_mlp); returns
-        the layer's output per batch."""
+    def reconstruct(self, i, layer, plan, mixed, targets, weights, resized=False) -> list:
+        """Resize (unless ``resized``), then train the pruned MLP towards the refit's ``targets``
+        (reconstruct.reconstruct_mlp); returns the layer's output per batch."""
         with self.timer("resize"):
-            self.resize(i, layer, plan)
+            if not resized:
+                self.resize(i, layer, plan)
             budget = self.settings.reconstruct_budget
             history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
                                       self.settings.reconstruct_lr, seed=self.seed + i,
@@ -402,6 +413,8 @@ class _LayerStep:
         """AᵀA (and the residual target's AᵀY) summed batch by batch while the MLP runs up to its down projection,
         the plan and refit from them (G_KK taken out of AᵀA in place), then the resized MLP runs again; or, when
         the activations take less memory than that (few tokens, wide MLP) and the policy allows, ``shrink_kept``."""
+        if self.settings.shrink == "fold":
+            return self.fold(i, layer, mixed, width, source_hidden)
         down = layer.mlp.down_proj
         tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
         if self.policy.keeps(tokens, down.in_features):
@@ -439,6 +452,40 @@ class _LayerStep:
             return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights)
         with self.timer("resize"):
             self.resize(i, layer, plan)
+            hidden = _consume(mixed, layer.feed_forward)
+        return plan, score, hidden
+
+    def fold(self, i, layer, mixed, width, source_hidden):
+        """``shrink`` by a fold (tlm_convert.fold): the scores and the MLP input's second moment from a pass up to the
+        down projection, every neuron merged into one of ``width`` clusters, the down projection refitted on the
+        merged neurons' own activations (a pass of the folded MLP) to the refit's target, the folded MLP run again.
+        Resident beyond the drop's: the refit's targets, (N, d) fp32."""
+        mlp = layer.mlp
+        weights = token_weights(self.settings.token_weighting, mixed)
+        with self.timer("calibrate"):
+            with activation_stats(mlp.down_proj, stop=True) as stats, _input_moment(mlp) as moment:
+                _run_to_down_proj(layer, mixed)
+            targets = _mlp_targets(layer, mixed, source_hidden) if self.refit or self.reconstructs(layer) else None
+        score = self.scores(i, layer, stats)
+        with self.timer("rank"):
+            keep = plan_from_scores([score], [width])[0].keep
+            rows = {n: _with_bias(getattr(mlp, n)) for n in ("gate_proj", "up_proj") if hasattr(mlp, n)}
+            merge = fold_merge(rows, moment.total, score, keep, self.settings.fold_iters, self.seed + i)
+            plan = LayerPlan(keep=keep, merge=merge)
+        with self.timer("resize"):
+            self.resize(i, layer, plan)
+        down = layer.mlp.down_proj  # (d, width): the members' columns summed
+        if self.refit:
+            with self.timer("calibrate"):
+                gram, rhs = _kept_system(down, _activations(layer, mixed), mixed, None, None,
+                                         self.policy.rows(12 * width), weights, targets)
+            with self.timer("rank"):
+                plan.down_override = refit_kept(gram, rhs, damp=self.damp, overwrite=True).to(down.weight.dtype)
+                down.weight.copy_(plan.down_override)
+            del gram, rhs
+        if self.reconstructs(layer):
+            return plan, score, self.reconstruct(i, layer, plan, mixed, targets, weights, resized=True)
+        with self.timer("resize"):
             hidden = _consume(mixed, layer.feed_forward)
         return plan, score, hidden
 
@@ -527,23 +574,23 @@ def _weights(mlp, width=None) -> dict:
 
 
 def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
-                 weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 weights=None, targets=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept neurons' least-squares system: G_KK = Σ a_Kᵀ a_K (K, K) and Σ a_Kᵀ Y (K, d), fp64 (``keep`` None:
     all neurons, no copy of the activations); with ``weights`` (per batch, (B, S)), every token's row of a_K and Y
-    scaled by √w (the weighted system Σ w a_Kᵀ a_K, Σ w a_Kᵀ Y).
+    scaled by √w (the weighted system Σ w a_Kᵀ a_K, Σ w a_Kᵀ Y). ``acts``: per batch (B, S, I), any iterable.
 
     Y is the layer's own full-width MLP output a Dᵀ ("local"), or with ``source_hidden`` the output that restores
-    the source stream, h_src − z − b ("residual"). fp32 products per batch (the Gram matrix's in blocks of ``rows``
-    rows), accumulated in fp64."""
+    the source stream, h_src − z − b ("residual"), or ``targets`` (per batch, (B, S, d)) less b. fp32 products per
+    batch (the Gram matrix's in blocks of ``rows`` rows), accumulated in fp64."""
     idx = None if keep is None else torch.as_tensor(keep, dtype=torch.long, device=down.weight.device)
     gram = rhs = None
     for b, a in enumerate(acts):
         a = a.flatten(0, 1).float()  # (N_b, I)
         a_k = a if idx is None else a.index_select(1, idx)  # (N_b, K)
-        if source_hidden is None:
+        if source_hidden is None and targets is None:
             target = F.linear(a, down.weight.float())  # (N_b, d)
         else:
-            target = (source_hidden[b] - mixed[b]).flatten(0, 1).float()
+            target = (source_hidden[b] - mixed[b] if targets is None else targets[b]).flatten(0, 1).float()
             if down.bias is not None:
                 target = target - down.bias.float()
         if weights is not None:
@@ -555,6 +602,48 @@ def _kept_system(down, acts, mixed, keep, source_hidden=None, rows=None,
         add_gram(gram, a_k, rows)
         rhs += (a_k.T @ target).double()
     return gram, rhs
+
+
+def _activations(layer, mixed: list):
+    """Each batch's activations at the down projection's input (B, S, I), a batch at a time (a generator)."""
+    for z in mixed:
+        with activation_stats(layer.mlp.down_proj, keep=True, stop=True) as stats:
+            _run_to_down_proj(layer, [z])
+        yield stats.kept[0]
+
+
+def _with_bias(linear: nn.Linear) -> torch.Tensor:
+    """The rows of an input projection (I, h), with its bias as a last column when it has one (I, h + 1)."""
+    if linear.bias is None:
+        return linear.weight
+    return torch.cat([linear.weight, linear.bias[:, None]], 1)
+
+
+class _InputMoment:
+    """Pre-hook on an MLP: Σ x̃ᵀx̃ (h', h') fp64 over its inputs x (B, S, h), x̃ = [x, 1] when its input
+    projections have biases (h' = h + 1), in ``total``."""
+
+    def __init__(self, mlp):
+        self.bias = mlp.up_proj.bias is not None
+        width = mlp.up_proj.in_features + self.bias
+        self.total = torch.zeros(width, width, dtype=torch.float64, device=mlp.up_proj.weight.device)
+
+    def __call__(self, _module, args):
+        x = args[0].detach().flatten(0, -2).float()  # (N, h)
+        if self.bias:
+            x = torch.cat([x, x.new_ones(len(x), 1)], 1)
+        add_gram(self.total, x)
+
+
+@contextmanager
+def _input_moment(mlp):
+    """``with _input_moment(layer.mlp) as moment:`` run batches; ``moment.total`` sums their inputs' x̃ᵀx̃."""
+    moment = _InputMoment(mlp)
+    handle = mlp.register_forward_pre_hook(moment)
+    try:
+        yield moment
+    finally:
+        handle.remove()
 
 
 def _feed_forward_reusing(layer, z, a, plan):

@@ -2,7 +2,8 @@
 
 A neuron j of layer l is the triple (row j of ``gate_proj``, row j of ``up_proj``, column j of ``down_proj``)
 (GPT-2's ungated MLP: row j of ``up_proj`` with its bias entry, column j of ``down_proj``). Shrinking keeps the
-listed neurons in their original order; growing appends new neurons initialised by ``grow_init``:
+listed neurons in their original order (or, for a fold, merges every neuron into clusters: ``LayerPlan.merge``,
+tlm_convert.fold); growing appends new neurons initialised by ``grow_init``:
 
 * ``noise`` (default): input rows drawn at the RMS of the layer's rows, output columns at ``noise_scale`` times
   the RMS of the existing columns — the output barely moves and every new neuron gets gradients at once;
@@ -31,6 +32,8 @@ class LayerPlan:
     grow: int = 0
     split_from: list[int] = field(default_factory=list)  # for grow_init="split": source neurons to copy
     down_override: torch.Tensor | None = None  # a refitted down projection (d, width) for a shrinking layer
+    merge: dict[str, torch.Tensor] | None = None  # a fold (tlm_convert.fold): per input projection (width, I), the
+    # new rows as merge @ rows; "down_proj" (I, width), the new down projection as down @ merge. keep: the seeds
 
     @property
     def width(self) -> int:
@@ -66,17 +69,26 @@ def resize_layer(sd: dict, layer_idx: int, plan: LayerPlan, grow_init: str = "no
     new = {}
     for name in rows:  # neuron = a row of the input projections (and its bias entry)
         w = sd[prefix + name + ".weight"]
-        new[prefix + name + ".weight"] = torch.cat([w[keep], _new_rows(w, plan, grow_init, gen)])
+        new[prefix + name + ".weight"] = torch.cat([_pick(w, keep, plan, name), _new_rows(w, plan, grow_init, gen)])
         if prefix + name + ".bias" in sd:
             b = sd[prefix + name + ".bias"]
             extra = b[_split_sources(plan)] if grow_init == "split" else b.new_zeros(plan.grow)
-            new[prefix + name + ".bias"] = torch.cat([b[keep], extra])
+            new[prefix + name + ".bias"] = torch.cat([_pick(b, keep, plan, name), extra])
     down = sd[prefix + "down_proj.weight"]  # (d, I)
     if plan.down_override is not None:
         new[prefix + "down_proj.weight"] = plan.down_override.to(down.dtype)
+    elif plan.merge is not None:
+        new[prefix + "down_proj.weight"] = (down.double() @ plan.merge["down_proj"].to(down.device)).to(down.dtype)
     else:
         new[prefix + "down_proj.weight"] = _new_down(down, keep, plan, grow_init, noise_scale, gen)
     return new
+
+
+def _pick(t, keep, plan, name):
+    """The kept neurons' entries of a neuron-indexed tensor t (I, ...), or with a fold their merges."""
+    if plan.merge is None:
+        return t[keep]
+    return (plan.merge[name].to(t.device) @ t.double()).to(t.dtype)
 
 
 def _new_rows(w, plan, grow_init, gen):
