@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,9 @@ from tiny_sources import make_source, tiny_tokenizer
 from tlm_cli.main import tlm_main
 from tlm_io.load import load_model
 
-pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is part of the test extra")
+from lm_eval.api.instance import Instance  # the eval extra is part of the test extra
 
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from tlm_io.harness import LOCAL_TASKS, TASK_DATA, evaluate_tasks, hf_model  # noqa: E402
+from tlm_io.harness import LOCAL_TASKS, TASK_DATA, evaluate_tasks, hf_model
 
 TOL = 1e-5
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -161,6 +160,13 @@ def test_bad_input_is_one_line(source, args, message):
     assert result.exit_code != 0 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and message in result.stderr, \
         result.stderr
+
+
+def test_without_lm_eval_the_command_names_the_extra(source, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it raises ImportError
+    result = _run(["eval", source, "--tasks", "piqa"])
+    assert result.exit_code == 1 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert 'pip install -e ".[eval]"' in result.stderr, result.stderr
 
 
 @torch.no_grad()

@@ -36,7 +36,6 @@ def converted(tmp_path_factory) -> Path:
 
 
 def test_lm_eval_stock_hf_model_loads_a_tlm_export(converted):
-    pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
     from tlm_io.harness import hf_model
