@@ -205,9 +205,6 @@ def test_convert_reports_source_converted_and_healed_accuracy(source, tmp_path):
         task = entry[stage]["tasks"]["winogrande"]
         assert 0 <= task["acc"] <= 1 and task["n"] == 500 and 0 < task["acc_stderr"] < 0.05
     assert entry["converted"]["retention"] == pytest.approx(entry["converted"]["mean"] / entry["source"]["mean"])
-    model, tokenizer, _ = load_model(str(source))  # the source's figure is tlm eval's on the same model
-    again = evaluate_tasks(model, tokenizer, "winogrande")["results"]["winogrande"]["acc,none"]
-    assert entry["source"]["tasks"]["winogrande"]["acc"] == pytest.approx(again, abs=1e-9)
     saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert saved["accuracy"]["healed"] == entry["healed"]
     text = (tmp_path / "out" / "report.md").read_text()

@@ -234,7 +234,7 @@ def evaluate_tasks(model, tokenizer, tasks, *, limit: float | None = None, num_f
         tracker = EvaluationTracker(output_path=output_path) if output_path else None
         try:
             results = simple_evaluate(model=hf_model(model, tokenizer, batch_size, max_length), tasks=names,
-                                      model_args=f"pretrained={model_name}", task_manager=manager, limit=limit,
+                                      model_args={"pretrained": model_name}, task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
                                       evaluation_tracker=tracker)
         except (ConnectionError, FileNotFoundError) as err:  # a hub data set not in the cache
