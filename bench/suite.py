@@ -333,6 +333,10 @@ BENCHMARKS = {b.name: b for b in [
               tables=convert_run_tables),
     Benchmark("gpu", "other", "GPU readiness: tokens/s, MFU, peak memory of the 435M recipes",
               ["bench/gpu_check.py"], quick=["--dry"], tables=gpu_tables),
+    # zero-shot accuracy (lm-evaluation-harness): the script writes its own tables; ARGS name the models
+    Benchmark("accuracy", "quality", "Zero-shot accuracy on the bundled suite", ["bench/eval_suite.py"]),
+    Benchmark("eval-speed", "other", "`tlm eval --tasks` against lm-eval's own HFLM on the same checkpoint",
+              ["bench/eval_speed.py"]),
 ]}
 
 

@@ -37,7 +37,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 # The option set of tlm-convert, pinned: a new or renamed flag must show up here (and in the README) in review.
 TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
-    "--eval-tokens", "--export", "--fisher-draws", "--grow-init", "--heal-tokens", "--help", "--importance",
+    "--eval-tasks", "--eval-tokens", "--export", "--fisher-draws", "--grow-init", "--heal-tokens", "--help", "--importance",
     "--low-memory",
     "--max-hours", "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
     "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--taper-stages", "--token-weighting",

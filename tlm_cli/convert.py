@@ -9,6 +9,7 @@ import click
 
 from tlm_convert.convert import (DTYPE_CHOICES, MIXER_CHOICES, REFIT_TARGETS, SCHEDULE_CHOICES, ConvertOptions,
                                  convert)
+from tlm_convert.accuracy import accuracy_lines
 from tlm_convert.evalsets import perplexity_lines
 from tlm_convert.importance import METRICS
 from tlm_convert.reconstruct import TOKEN_WEIGHTINGS
@@ -66,6 +67,9 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
                    "'eval-fiction', 'eval-code', 'eval-legal', 'eval-encyclopedic'; 'all-eval': all five); repeat "
                    "for several sets.")
 @click.option("--eval-tokens", type=int, default=DEFAULTS.eval_tokens, show_default=True)
+@click.option("--eval-tasks", default=DEFAULTS.eval_tasks, metavar="TASK,...",
+              help="Zero-shot accuracy of the source, converted and healed model through lm-evaluation-harness "
+                   "(the eval extra): task names of tlm eval --tasks; 'bundled': the bundled suite.")
 @click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True)
 @click.option("--dtype", default=DEFAULTS.dtype, show_default=True, type=click.Choice(DTYPE_CHOICES),
               help="dtype of the saved weights (conversion runs in float32).")
@@ -157,6 +161,8 @@ def _summary(report: dict, output: str) -> None:
     if "perplexity_before" in report:
         for line in perplexity_lines(report):
             click.echo(f"perplexity {line}")
+    for line in accuracy_lines(report):
+        click.echo(f"accuracy {line}")
     if "taper_stages" in report:
         stages = report["taper_stages"]
         click.echo(f"taper stages: {len(stages)}, ratios " + ", ".join(s["ratio"] for s in stages)

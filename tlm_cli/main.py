@@ -21,7 +21,8 @@ from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import check_positions, check_token_ids, load_model
 from tlm_io.locate import resolve_builtin
 from tlm_io.outputs import check_writable_parent
-from tlm_io.perplexity import strided_perplexity
+from tlm_io.harness import accuracy_rows, accuracy_table, check_limit, evaluate_tasks, parse_tasks, require_lm_eval
+from tlm_io.perplexity import PROTOCOLS, strided_perplexity
 from tlm_io.text import eval_sources, load_text, text_prefix, token_blocks
 from tlm_study.analyze import residual_alignment, save_alignment, suggest_ratio
 from tlm_train.budget import TRAIN_MAX_HOURS, Limits
@@ -29,7 +30,7 @@ from tlm_train.prepare import prepare_data
 from tlm_train.recipe import load_recipe
 from tlm_train.trainer import train
 
-from .common import STOPPED_EXIT, OneLineCommand, check_positive, quiet_libraries, report_failure
+from .common import STOPPED_EXIT, OneLineCommand, check_device, check_positive, quiet_libraries, report_failure
 from .convert import convert_main
 
 
@@ -43,49 +44,113 @@ tlm_main.add_command(convert_main, "convert")  # the very command of tlm-convert
 
 @tlm_main.command("eval", cls=OneLineCommand)
 @click.argument("model_path")
-@click.option("--data", required=True, multiple=True,
-              help="Text file/folder, a bundled set ('default-eval', 'eval-fiction', 'eval-code', 'eval-legal', "
-                   "'eval-encyclopedic') or 'all-eval'; repeat the option for several sets (one JSON line each).")
+@click.option("--data", multiple=True,
+              help="Perplexity on a text file/folder, a bundled set ('default-eval', 'eval-fiction', 'eval-code', "
+                   "'eval-legal', 'eval-encyclopedic') or 'all-eval'; repeat the option for several sets (one JSON "
+                   "line each).")
 @click.option("--data-format", type=click.Choice(["auto", "text"]), default="auto", show_default=True,
               help="auto: .jsonl/.json/.parquet by suffix, any other UTF-8 file as text; text: read as plain text.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default="strided", show_default=True,
+              help="Perplexity protocol: strided (the start of text before every window, stride seq-len / 2) or "
+                   "gptq (the papers' WikiText-2 protocol: documents joined by blank lines, non-overlapping windows "
+                   "of 2048 tokens, the whole text).")
+@click.option("--seq-len", type=int, default=None, help="Window length in tokens [512; gptq: 2048].")
 @click.option("--stride", type=int, default=None, help="Window stride [seq-len / 2]; = seq-len: disjoint blocks.")
-@click.option("--max-tokens", type=int, default=16384, show_default=True)
+@click.option("--max-tokens", type=int, default=None, help="Tokens of each set scored at most [16384; gptq: all].")
+@click.option("--tasks", default=None, metavar="TASK,...",
+              help="Zero-shot accuracy through lm-evaluation-harness: task names (arc_easy, arc_challenge, "
+                   "hellaswag_text, piqa, winogrande, boolq_notitle, openbookqa, lambada_openai: bundled samples; "
+                   "'bundled': all eight), tasks of --include-path, or lm-eval's own.")
+@click.option("--limit", type=float, default=None, help="Documents per task (or a fraction of each, below 1).")
+@click.option("--num-fewshot", type=int, default=None, help="Examples in each prompt [the task's own, 0].")
 @click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps.")
+@click.option("--include-path", multiple=True, help="A folder of your own task YAMLs and their data (repeatable).")
+@click.option("--task-data", default=None, metavar="DIR|hub",
+              help="Where the standard tasks read their documents [the bundled samples]: a folder of full files "
+                   "(arc_easy.jsonl, hellaswag.jsonl, ...), or 'hub': lm-eval's own tasks from the datasets cache.")
+@click.option("--output-path", default=None, help="Folder for lm-eval's results JSON (OUTPUT_PATH/MODEL/results_*.json).")
 @click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
-def eval_command(model_path, data, data_format, seq_len, stride, max_tokens, batch_size, trust_remote_code):
-    """Perplexity of MODEL_PATH (TLM, transformers folder or .gguf) with strided windows, as one JSON line per
-    evaluation set."""
+def eval_command(model_path, data, data_format, protocol, seq_len, stride, max_tokens, tasks, limit, num_fewshot,
+                 batch_size, device, include_path, task_data, output_path, trust_remote_code):
+    """Perplexity (--data: one JSON line per set) or zero-shot accuracy (--tasks: one table, through
+    lm-evaluation-harness) of MODEL_PATH: a TLM, transformers folder, .gguf or built-in name."""
     try:
         quiet_libraries()
-        stride = max(1, seq_len // 2) if stride is None else stride
-        check_positive(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size)
-        if seq_len < 2 or stride > seq_len:
-            raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
-                                  "stride <= seq-len")
-        sets = eval_sources(data)
-        texts = {name: load_text(name, data_format=data_format) for name in sets}  # bad data fails before the load
-        model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
-        check_positions(model.config, seq_len, model_path)
-        lines = []
-        for name, text in texts.items():
-            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens], dtype=torch.long)
-            if len(ids) < 2:
-                raise ConversionError(f"evaluation data {name!r} has {len(ids)} tokens; pass more text")
-            check_token_ids(ids, model.config.vocab_size, f"evaluation data {name!r} (tokenized)")
-            prefix = text_prefix(tokenizer)  # before every window, as the tokenizer begins a text
-            if seq_len < 2 + len(prefix):
-                raise ConversionError(f"option --seq-len {seq_len} is too short for the tokenizer's "
-                                      f"{len(prefix)}-token start of text; use at least {2 + len(prefix)}")
-            result = strided_perplexity(model, ids, seq_len, stride, batch_size, prefix)
-            lines.append({"model": model_path, "data": name, "tokens": int(len(ids)), "seq_len": seq_len,
-                          "stride": min(stride, seq_len - len(prefix)), "window_prefix": list(prefix),
-                          "scored_tokens": result.tokens, "windows": result.windows,
-                          "nll": result.nll, "perplexity": result.perplexity})
+        if bool(data) == bool(tasks):
+            raise ConversionError("give --data (perplexity) or --tasks (zero-shot accuracy), one of them")
+        check_positive(batch_size=batch_size)
+        check_device(device)
+        if tasks:
+            lines, results = None, _eval_tasks(model_path, tasks, limit, num_fewshot, batch_size, device,
+                                               include_path, task_data, output_path, trust_remote_code)
+        else:
+            lines = _eval_perplexity(model_path, data, data_format, protocol, seq_len, stride, max_tokens,
+                                     batch_size, device, trust_remote_code)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
-    for line in lines:
-        click.echo(json.dumps(line))
+    if lines is not None:
+        for line in lines:
+            click.echo(json.dumps(line))
+        return
+    click.echo(accuracy_table(accuracy_rows(results)))
+    if output_path:
+        click.echo(f"wrote lm-eval's results JSON under {output_path}")
+
+
+def _eval_tasks(model_path, tasks, limit, num_fewshot, batch_size, device, include_path, task_data, output_path,
+                trust_remote_code) -> dict:
+    """lm-eval's results of MODEL_PATH on ``tasks`` (tlm_io.harness); the arguments are checked first, the model
+    loaded last."""
+    require_lm_eval()
+    parse_tasks(tasks)
+    check_limit(limit)
+    if output_path is not None:
+        check_writable_parent(Path(output_path).expanduser().absolute(), option="--output-path")
+    model, tokenizer, _ = load_model(model_path, device=device, trust_remote_code=trust_remote_code)
+    return evaluate_tasks(model, tokenizer, tasks, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
+                          include_path=include_path, task_data=task_data, output_path=output_path,
+                          model_name=model_path)
+
+
+def _eval_perplexity(model_path, data, data_format, protocol, seq_len, stride, max_tokens, batch_size, device,
+                     trust_remote_code) -> list[dict]:
+    """One JSON line per evaluation set of ``data``: perplexity under ``protocol`` (tlm_io.perplexity)."""
+    policy = PROTOCOLS[protocol]
+    seq_len = policy.seq_len if seq_len is None else seq_len
+    if stride is not None and not policy.overlap:
+        raise ConversionError(f"--stride: the {protocol} protocol's windows do not overlap (stride = --seq-len); "
+                              "drop --stride")
+    stride = (max(1, seq_len // 2) if stride is None else stride) if policy.overlap else seq_len
+    max_tokens = policy.max_tokens if max_tokens is None else max_tokens
+    check_positive(seq_len=seq_len, stride=stride, **({} if max_tokens is None else {"max_tokens": max_tokens}))
+    if seq_len < 2 or stride > seq_len:
+        raise ConversionError(f"options --seq-len {seq_len} / --stride {stride}: need seq-len >= 2 and "
+                              "stride <= seq-len")
+    sets = eval_sources(data)
+    texts = {name: load_text(name, data_format=data_format, keep_empty=policy.keep_empty)
+             for name in sets}  # bad data fails before the load
+    model, tokenizer, _ = load_model(model_path, device=device, trust_remote_code=trust_remote_code)
+    check_positions(model.config, seq_len, model_path)
+    lines = []
+    for name, text in texts.items():
+        ids = torch.tensor(tokenizer(text, add_special_tokens=not policy.window_prefix)["input_ids"][:max_tokens],
+                           dtype=torch.long)
+        need = seq_len if policy.full_windows else 2
+        if len(ids) < need:
+            raise ConversionError(f"evaluation data {name!r} has {len(ids)} tokens, fewer than one window of "
+                                  f"{need}; pass more text" + (" or a smaller --seq-len" if need > 2 else ""))
+        check_token_ids(ids, model.config.vocab_size, f"evaluation data {name!r} (tokenized)")
+        prefix = text_prefix(tokenizer) if policy.window_prefix else ()  # before every window
+        if seq_len < 2 + len(prefix):
+            raise ConversionError(f"option --seq-len {seq_len} is too short for the tokenizer's "
+                                  f"{len(prefix)}-token start of text; use at least {2 + len(prefix)}")
+        result = strided_perplexity(model, ids, seq_len, stride, batch_size, prefix, full=policy.full_windows)
+        lines.append({"model": model_path, "data": name, "protocol": protocol, "tokens": int(len(ids)),
+                      "seq_len": seq_len, "stride": min(stride, seq_len - len(prefix)), "window_prefix": list(prefix),
+                      "scored_tokens": result.tokens, "windows": result.windows,
+                      "nll": result.nll, "perplexity": result.perplexity})
+    return lines
 
 
 @tlm_main.command("analyze", cls=OneLineCommand)

@@ -39,6 +39,7 @@ from tlm_io.sizes import available_memory
 from tlm_io.text import text_prefix
 from tlm_train.budget import DEFAULT_MAX_HOURS, Limits
 
+from .accuracy import TaskAccuracy
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
 from .evalsets import eval_set_blocks, perplexity_entries
@@ -85,6 +86,7 @@ class ConvertOptions:
     export: str = "tlm"
     eval_data: str | tuple[str, ...] | None = None  # one set or several (data.eval_sources; "all-eval": bundled)
     eval_tokens: int = 16384
+    eval_tasks: str | None = None  # zero-shot accuracy through lm-eval (tlm_convert.accuracy); "bundled": the suite
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -269,7 +271,8 @@ def convert_in_stages(source: str, out: Path, opts: ConvertOptions, on_phase, on
             stage_opts = replace(opts, ratio=stage_ratio(opts.ratio, k, opts.taper_stages), taper_stages=1,
                                  heal_tokens=per_stage * tokens_per_step(opts.seq_len), calibration_data=sources)
             if not last:  # an intermediate TLM: reloaded exactly by the next stage, not evaluated
-                stage_opts = replace(stage_opts, export="tlm", dtype="float32", eval_data=None, overwrite=True)
+                stage_opts = replace(stage_opts, export="tlm", dtype="float32", eval_data=None, eval_tasks=None,
+                                     overwrite=True)
             stage = {"stage": k, "ratio": stage_opts.ratio, "heal_tokens": stage_opts.heal_tokens}
             if last:  # OUTPUT: the report names the source and the options given, and lists every stage
                 origin = {**first, "calibration_data": list(opts.calibration_data), "options": asdict(opts),
@@ -311,6 +314,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
         vocab = src.tlm_config.vocab_size
         for name, blocks in (evalb or {}).items():
             check_token_ids(blocks, vocab, f"evaluation data {name!r} (tokenized)")
+        tasks = TaskAccuracy(opts.eval_tasks, tokenizer, opts.batch_size, timer, opts.low_memory)  # checked now
     need = output_bytes(src.num_params, opts.dtype)
     check_free_space(out.parent, need)  # before the calibration, not after it
     calib = samples = None  # an exact import (nothing resized, no scores needed) runs no calibration tokens
@@ -328,7 +332,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
         with timer("rank"):
             measured = measure_widths(model, calib, src.tlm_config, opts, settings, timer.on_phase is not None)
         reference, widths = widths, measured["widths"]
-    report = report_head(src, opts, widths, calib)
+    report = report_head(src, opts, widths, calib) | tasks.entries()
     report["block_prefix"] = list(text_prefix(tokenizer))  # what every calibration / evaluation block begins with
     if measured is not None:
         report.update(widths_cosine=reference, measured_profile=measured["profile"])
@@ -340,6 +344,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
     if evalb is not None:
         with timer("eval"):
             before = _perplexities(model if teacher is None else _load_reference(teacher, opts), evalb, opts)
+    tasks.score("source", None if teacher else model, lambda: _load_reference(teacher, opts))
     if calib is not None:
         with timer("rank"):
             score_whole_model(model, calib, settings, widths, progress=timer.on_phase is not None)
@@ -356,6 +361,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
             after = _perplexities(final, evalb, opts)
             report.update(perplexity_entries(before, after, opts.calibration_data))
     report["importance_profile"] = result.importance_profile()
+    tasks.score("converted", final)
 
     def write_model(tmp: Path) -> None:
         nonlocal final
@@ -365,6 +371,7 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
         if opts.heal_tokens:  # distilled from the source inside tmp (a failed heal leaves OUTPUT as it was)
             final = heal(final, teacher or source, src, tmp, opts, evalb, report, timer,
                          samples=None if samples is None else tmp / SAMPLES_FILE, limits=limits, tokenizer=tokenizer)
+            tasks.score("healed", final)
         with timer("save"):
             export_model(final, tmp, opts.export, src)
 

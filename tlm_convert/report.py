@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .accuracy import accuracy_lines
 from .evalsets import perplexity_lines
 
 
@@ -79,6 +80,10 @@ def write_markdown(report: dict, path: Path) -> None:
                      f"- perplexity before and after conversion, and after healing ({report['heal']['tokens']:,} "
                      f"tokens of logit distillation from the source{_heal_rate(report['heal'])}):")
         lines += [f"  - {line}" for line in perplexity_lines(report)]
+    if report.get("accuracy"):
+        lines.append("- zero-shot accuracy (lm-evaluation-harness, acc ± stderr; "
+                     f"{report['accuracy']['data']}):")
+        lines += [f"  - {line}" for line in accuracy_lines(report)]
     if "taper_stages" in report:
         stages = report["taper_stages"]
         lines.append(f"- reached in {len(stages)} stages (--taper-stages), each converting the previous stage's healed "

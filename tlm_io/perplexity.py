@@ -11,6 +11,12 @@ windows of ``window`` tokens starting every ``stride`` tokens; each window score
 scored (the last ``stride`` of them, all of them in the first window), each predicted from up to ``window - 1``
 tokens of context. ``stride == window`` is plain non-overlapping blocks; a smaller stride gives every scored token
 more context (a lower, more faithful perplexity) at window/stride times the compute.
+
+The protocol is a policy of the same computation (:data:`PROTOCOLS`): ``strided`` (``tlm eval``'s default: the
+tokenizer's start-of-text tokens before every window, stride seq-len / 2, the last window may be shorter) or ``gptq``
+(the GPTQ/Wanda WikiText-2 evaluation the pruning papers report: the documents joined by blank lines, tokenized once
+as the tokenizer encodes a text, non-overlapping windows of 2,048 tokens, a shorter tail dropped, the mean NLL over
+every scored token).
 """
 
 from __future__ import annotations
@@ -60,9 +66,33 @@ class Perplexity:
     windows: int
 
 
-def windows(n: int, window: int, stride: int, lead: int = 0) -> list[tuple[int, int, int]]:
+@dataclass(frozen=True)
+class Protocol:
+    """How a text becomes scored windows: ``seq_len`` (the default window), ``overlap`` (stride seq_len / 2 by
+    default, any stride allowed; else the stride is the window), ``window_prefix`` (the start-of-text tokens before
+    every window; else once, as the tokenizer encodes the text), ``full_windows`` (a shorter last window is
+    dropped), ``max_tokens`` (the default cap of the stream; None: all of it), ``keep_empty`` (a data set's empty
+    records are joined too)."""
+
+    name: str
+    seq_len: int
+    overlap: bool
+    window_prefix: bool
+    full_windows: bool
+    max_tokens: int | None
+    keep_empty: bool
+
+
+PROTOCOLS = {"strided": Protocol("strided", 512, True, True, False, 16384, False),
+             "gptq": Protocol("gptq", 2048, False, False, True, None, True)}
+
+
+def windows(n: int, window: int, stride: int, lead: int = 0, full: bool = False) -> list[tuple[int, int, int]]:
     """(begin, end, first scored position within the window) for a stream of n tokens; ``lead``: tokens put before
-    each window (a start-of-text prefix), which predict its position 0, else nothing does."""
+    each window (a start-of-text prefix), which predict its position 0, else nothing does; ``full``: only windows
+    of ``window`` tokens (a shorter last one is dropped)."""
+    if full:
+        return [(b, b + window, 0 if lead else 1) for b in range(0, n - window + 1, window)]
     spans, prev_end, begin = [], 0, 0
     least = 0 if lead else 1
     while True:
@@ -78,11 +108,12 @@ def windows(n: int, window: int, stride: int, lead: int = 0) -> list[tuple[int, 
 
 @torch.no_grad()
 def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None = None,
-                       batch_size: int = 8, prefix: tuple[int, ...] = ()) -> Perplexity:
+                       batch_size: int = 8, prefix: tuple[int, ...] = (), full: bool = False) -> Perplexity:
     """Perplexity of ``model`` (a TLMForCausalLM) on the 1-D token stream ``ids`` (see the module doc); the logits
     are formed in chunks (:func:`nll_sum`). ``prefix``: the tokenizer's start-of-text tokens
     (tlm_io.text.text_prefix), put before every window, which then holds window - len(prefix) tokens of ``ids``
-    (``stride`` is capped there); with a prefix, the stream's first token is scored too."""
+    (``stride`` is capped there); with a prefix, the stream's first token is scored too. ``full``: non-overlapping
+    windows of exactly ``window`` tokens, a shorter tail dropped (the ``gptq`` protocol; ``stride`` is ignored)."""
     stride = window if stride is None else stride
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in [1, window={window}], got {stride}")
@@ -92,9 +123,9 @@ def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None
     stride = min(stride, body)
     ids = ids.long().flatten()
     lead = torch.tensor(prefix, dtype=torch.long)
-    spans = windows(len(ids), body, stride, len(prefix))
+    spans = windows(len(ids), body, stride, len(prefix), full)
     if not spans:
-        raise ValueError(f"{len(ids)} tokens: too few to score; give at least 2")
+        raise ValueError(f"{len(ids)} tokens: too few to score; give at least {body if full else 2}")
     device = next(model.parameters()).device
     total, count = 0.0, 0
     by_length: dict[int, list] = {}
@@ -112,4 +143,5 @@ def strided_perplexity(model, ids: torch.Tensor, window: int, stride: int | None
     return Perplexity(math.exp(mean), mean, count, len(spans))
 
 
-__all__ = ["LOGIT_CHUNK", "Perplexity", "nll_sum", "perplexity", "strided_perplexity", "windows"]
+__all__ = ["LOGIT_CHUNK", "PROTOCOLS", "Perplexity", "Protocol", "nll_sum", "perplexity", "strided_perplexity",
+           "windows"]

@@ -64,8 +64,10 @@ def is_plain_text(path: Path, data_format: str = "auto") -> bool:
     return b"\0" not in head
 
 
-def load_text(source: str | Path, max_chars: int | None = None, data_format: str = "auto") -> str:
-    """All text of a calibration source joined by blank lines (documents stay in order)."""
+def load_text(source: str | Path, max_chars: int | None = None, data_format: str = "auto",
+              keep_empty: bool = False) -> str:
+    """All text of a calibration source joined by blank lines (documents stay in order); ``keep_empty``: a data
+    set's empty records are joined too (the GPTQ/Wanda WikiText-2 protocol joins every row)."""
     path = BUNDLED.get(str(source), Path(source).expanduser())
     if is_plain_text(path, data_format):
         try:  # plain text needs no dataset machinery
@@ -76,7 +78,7 @@ def load_text(source: str | Path, max_chars: int | None = None, data_format: str
         except OSError as err:
             raise ConversionError(f"data file '{path}' cannot be read ({err.strerror or one_line(err)})") from None
         return text[:max_chars] if max_chars else text
-    rows = dataset_rows(path, str(source))
+    rows = dataset_rows(path, str(source), keep_empty)
     parts, total = [], 0
     try:
         for row in rows:
@@ -107,7 +109,7 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def dataset_rows(path: Path, source: str):
+def dataset_rows(path: Path, source: str, keep_empty: bool = False):
     if path.exists():
         files = (sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
                  if path.is_dir() else [path])
@@ -129,7 +131,7 @@ def dataset_rows(path: Path, source: str):
             cause = _root_cause(err)
             raise ConversionError(f"data '{path}' cannot be read as {builder} ({type(cause).__name__}: "
                                   f"{one_line(cause)}); fix the file or pass a .txt file") from None
-        return _text_column(ds, source)
+        return _text_column(ds, source, keep_empty)
     if _looks_like_path(path, source):
         raise ConversionError(f"data file '{source}' does not exist; pass an existing .txt/.jsonl/.parquet file or "
                               "folder, 'default', or a hub dataset name")
@@ -144,15 +146,15 @@ def dataset_rows(path: Path, source: str):
     except Exception as err:  # noqa: BLE001 - any hub failure means the same thing to the user
         raise ConversionError(f"data {source!r} is not a local file and could not be loaded from the hub "
                               f"({type(err).__name__}); pass a local .txt/.jsonl/.parquet path") from None
-    return _text_column(ds, source)
+    return _text_column(ds, source, keep_empty)
 
 
-def _text_column(ds, source):
+def _text_column(ds, source, keep_empty: bool = False):
     columns = getattr(ds, "column_names", None) or []
     if columns and "text" not in columns:
         raise ConversionError(f"data {source!r} has no 'text' column (columns: {', '.join(columns)}); "
                               "use a 'text' field per record")
-    return (row["text"] for row in ds if isinstance(row.get("text"), str) and row["text"])
+    return (row["text"] for row in ds if isinstance(row.get("text"), str) and (keep_empty or row["text"]))
 
 
 def text_prefix(tokenizer) -> tuple[int, ...]:

@@ -1,0 +1,121 @@
+"""Zero-shot accuracy of several models on the bundled suite (``tlm eval MODEL --tasks bundled``), one process a model:
+per task acc / acc_norm ± stderr, the mean acc, its retention against the source, and each run's wall time, CPU
+seconds and peak memory.
+
+    python bench/eval_suite.py --models source=smollm2-135m default=runs/q/default [...] \\
+        --work runs/accuracy --out bench/results/accuracy.json [--source source] [--limit N] [--batch-size 8]
+
+Each model's result is its own file, WORK/LABEL.json, written when its run ends: a killed run keeps the models it
+finished, and a second run skips them (same path, tasks and limit). ``--out`` gets the result file of
+bench/README.md ("Result files"): the envelope keys and the tables bench/report.py renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.suite import machine, table, torch_version  # noqa: E402
+from tlm_io.harness import BUNDLED, CHANCE, accuracy_summary, mean_accuracy  # noqa: E402
+
+
+def run_model(label: str, path: str, args) -> dict:
+    """``tlm eval PATH --tasks ...`` in a child process: lm-eval's results, the child's wall, CPU and peak RSS."""
+    out_dir = args.work / f"{label}-lm-eval"
+    cmd = [sys.executable, "-m", "tlm_cli", "eval", path, "--tasks", args.tasks, "--batch-size", str(args.batch_size),
+           "--output-path", str(out_dir)] + (["--limit", str(args.limit)] if args.limit else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{label}: tlm eval failed (exit {os.waitstatus_to_exitcode(status)}): {' '.join(cmd)}")
+    results = json.loads(max(out_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    summary = accuracy_summary(results)
+    return {"label": label, "path": path, "tasks": args.tasks, "limit": args.limit, "wall_s": round(wall, 1),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024),
+            "accuracy": summary, "mean_acc": mean_accuracy(summary), "command": " ".join(cmd[1:])}
+
+
+def cell(task: dict | None, key: str) -> str | None:
+    if not task or key not in task:
+        return None
+    err = task.get(f"{key}_stderr")
+    return f"{task[key]:.3f}" + ("" if err is None else f" ± {err:.3f}")
+
+
+def tables(runs: list[dict], source: str | None) -> list[dict]:
+    tasks = [t for t in runs[0]["accuracy"]]
+    base = next((r for r in runs if r["label"] == source), None)
+    rows = []
+    for r in runs:
+        retention = None if base is None or not base["mean_acc"] else f"{100 * r['mean_acc'] / base['mean_acc']:.1f}%"
+        rows.append([r["label"]] + [cell(r["accuracy"].get(t), "acc") for t in tasks]
+                    + [None if r["mean_acc"] is None else f"{r['mean_acc']:.3f}", retention])
+    out = [table("acc ± stderr per task (lm-evaluation-harness on the bundled samples), the mean, and retention "
+                 f"(% of {source or 'the source'}'s mean)", ["model", *tasks, "mean acc", "retention"], rows)]
+    normed = [t for t in tasks if any("acc_norm" in r["accuracy"].get(t, {}) for r in runs)]
+    if normed:
+        out.append(table("acc_norm ± stderr (length-normalized), where the task has it", ["model", *normed],
+                         [[r["label"]] + [cell(r["accuracy"].get(t), "acc_norm") for t in normed] for r in runs]))
+    if base is not None:
+        above = [[t, CHANCE.get(t), cell(base["accuracy"].get(t), "acc"),
+                  (base["accuracy"][t]["acc"] - CHANCE[t] > 2 * (base["accuracy"][t]["acc_stderr"] or 0))
+                  if t in CHANCE and "acc" in base["accuracy"].get(t, {}) else None] for t in tasks]
+        out.append(table(f"{source} against chance (above: acc - chance > 2 stderr)",
+                         ["task", "chance", "acc", "above chance"], above))
+    out.append(table("cost of each run (one process a model)", ["model", "wall s", "CPU s", "peak RSS MB", "items"],
+                     [[r["label"], r["wall_s"], r["cpu_s"], r["peak_rss_mb"],
+                       sum((r["accuracy"][t].get("n") or 0) for t in r["accuracy"])] for r in runs]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", required=True, metavar="LABEL=PATH")
+    ap.add_argument("--work", type=Path, required=True, help="one LABEL.json a model (kept: finished models skip)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--source", default=None, help="the label retention is measured against [the first model]")
+    ap.add_argument("--tasks", default=",".join(BUNDLED))
+    ap.add_argument("--limit", type=int, default=None, help="documents per task (a smoke run)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    args = ap.parse_args(argv)
+    pairs = [m.split("=", 1) for m in args.models]
+    if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        ap.error("--models takes LABEL=PATH pairs")
+    args.work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for label, path in pairs:
+        done = args.work / f"{label}.json"
+        old = json.loads(done.read_text()) if done.is_file() else None
+        if old and (old["path"], old["tasks"], old["limit"]) == (path, args.tasks, args.limit):
+            runs.append(old)
+            continue
+        runs.append(run_model(label, path, args))
+        done.write_text(json.dumps(runs[-1], indent=1) + "\n")
+    source = args.source or pairs[0][0]
+    raw = {"benchmark": "accuracy", "topic": "quality", "title": "Zero-shot accuracy on the bundled suite",
+           "command": "python bench/eval_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "machine": machine(), "torch": torch_version(), "threads": None,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "quick": bool(args.limit),
+           "source": source, "runs": runs, "tables": tables(runs, source),
+           "notes": ["tasks and items: tlm_io/data/README.md (hellaswag_text and boolq_notitle stand in for lm-eval's "
+                     "hellaswag and boolq); stderr is lm-eval's (binomial, over the sample's items)"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(raw, indent=1) + "\n")
+    print(json.dumps({"out": str(args.out), "models": [r["label"] for r in runs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
