@@ -25,23 +25,24 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
+import tlm_cli.convert as cli_convert
 from tlm_cli.convert import convert_main
 from tlm_cli.main import tlm_main
+from tlm_convert.options import KNOBS, method_from
 from tlm_io.archs import SUPPORTED_ARCHITECTURES
+from tlm_io.errors import ConversionError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "2048", "--seq-len", "64", "--batch-size", "4",
-        "--multiple-of", "1"]
+        "--set", "multiple_of=1"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
-# The option set of tlm-convert, pinned: a new or renamed flag must show up here (and in the README) in review.
+# The option set of tlm-convert, pinned (torchtitan's test_no_new_cli_options): what a user chooses. A method knob is
+# a Method field reached by --set (tlm_convert.options), not a flag; a new flag must show up here and in the README.
 TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
-    "--eval-tokens", "--export", "--fisher-draws", "--grow-init", "--heal-tokens", "--help", "--importance",
-    "--low-memory",
-    "--max-hours", "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
-    "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--taper-stages", "--token-weighting",
-    "--trust-remote-code",
+    "--eval-tokens", "--export", "--heal-tokens", "--help", "--low-memory", "--max-hours", "--mixer", "--output",
+    "--overwrite", "--ratio", "--schedule", "--seed", "--seq-len", "--set", "--trust-remote-code",
 ]
 
 
@@ -250,7 +251,7 @@ def test_hub_id_while_offline_asks_for_a_local_path(tmp_path):
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [("--device", "no-such-device", "not a torch device"),
-                                                          ("--multiple-of", "0", "positive integer"),
+                                                          ("--set", "multiple_of=0", "integer >= 1"),
                                                           ("--seq-len", "0", "positive integer")])
 def test_bad_option_values(flag, value, expected, source, tmp_path):
     before, out = _digest(source), tmp_path / "out"
@@ -266,6 +267,52 @@ def test_usage_errors_are_one_line(args, source, tmp_path):
     assert result.exit_code == 2 and "tlm-convert --help" in message
     result = _run([source], command=convert_main)  # no -o
     assert result.exit_code == 2 and _assert_refused(result, out).startswith("Missing option '-o'")
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("no_such_knob=1", r"^no_such_knob: unknown method knob; the knobs: importance, .*, taper_stages \(docs/knobs.md\)"),
+    ("importance=bogus", r"^importance: expected one of auto, activation, .*, fisher_obs, got 'bogus'"),
+    ("fisher_draws=two", r"^fisher_draws: expected an integer, got 'two'"),
+    ("refit=maybe", r"^refit: expected true or false, got 'maybe'"),
+    ("fisher_draws=0", r"^fisher_draws=0: must be an integer >= 1"),
+    ("seed=1", r"^seed: not a method knob but an option: use --seed"),
+    ("importance", r"expected name=value")])
+def test_bad_knobs_are_refused_as_bad_options_are(setting, expected, source, tmp_path):
+    """A bad --set: one usage error line naming the knob and what it takes, as a bad option value gets."""
+    out = tmp_path / "out"
+    result = _run([source, "-o", out, "--set", setting])
+    message = _assert_refused(result, out)
+    assert result.exit_code == 2 and message.startswith("Invalid value for '--set': "), message
+    assert re.search(expected, message.removeprefix("Invalid value for '--set': ")), message
+
+
+# a valid value other than the default for every knob (with what it needs of the options)
+KNOB_VALUES = {"importance": ("obs", []), "fisher_draws": (3, []), "fisher_mask": ("sequence", []),
+               "fisher_blocks": (4, []), "fisher_seq_len": (32, []), "grow_init": ("split", []),
+               "noise_scale": (0.5, []), "refit": (False, []), "refit_target": ("local", []), "damp": (0.01, []),
+               "token_weighting": ("sink", []), "reconstruct_epochs": (2, []), "reconstruct_lr": (0.001, []),
+               "multiple_of": (8, []), "taper_stages": (2, ["--heal-tokens", "100000"])}
+
+
+@pytest.mark.parametrize("knob", sorted(KNOB_VALUES))
+def test_every_knob_reaches_the_conversion(knob, monkeypatch, source, tmp_path):
+    """--set KNOB=VALUE arrives in the options convert() is given, every other knob at its default."""
+    assert set(KNOB_VALUES) == set(KNOBS)  # a new knob gets a value here
+    seen = []
+
+    def recorded(source, output, opts, **callbacks):
+        seen.append(opts)
+        raise ConversionError("recorded")
+
+    monkeypatch.setattr(cli_convert, "convert", recorded)
+    value, extra = KNOB_VALUES[knob]
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    out = tmp_path / "out"
+    assert _assert_refused(_run([source, "-o", out, "--set", f"{knob}={text}", *extra]), out) == "recorded"
+    method = seen[0].method
+    assert getattr(method, knob) == value
+    default = method_from([])
+    assert all(getattr(method, k) == getattr(default, k) for k in KNOBS if k not in (knob, "importance"))
 
 
 def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypatch, source, tmp_path):
@@ -463,6 +510,8 @@ def test_every_command_example_in_the_docs_matches_its_help():
             by_name = {o: p for p in params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
             words = [w.strip("[]") for w in args]
             for i, word in enumerate(words):
+                if command is convert_main and i and words[i - 1] == "--set" and re.fullmatch(r"[a-z_]+=[\w.-]+", word):
+                    method_from([word])  # a literal knob setting (not KNOB=VALUE) must be a valid one
                 for option in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", word):
                     assert option in by_name, f"{where}: `{part.strip()}` uses {option}, which is not an option"
                 name, _, value = word.partition("=")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GROW_INITS = ("noise", "zero", "split")
+from .options import GROW_INITS
 
 
 @dataclass
