@@ -25,8 +25,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
-import tlm_cli.convert as cli_convert
+import tlm_convert.convert as convert_module
 from tlm_cli.convert import convert_main
+from tlm_cli.group import COMMANDS, tlm_group
 from tlm_cli.main import tlm_main
 from tlm_convert.options import KNOBS, method_from
 from tlm_io.archs import SUPPORTED_ARCHITECTURES
@@ -304,7 +305,7 @@ def test_every_knob_reaches_the_conversion(knob, monkeypatch, source, tmp_path):
         seen.append(opts)
         raise ConversionError("recorded")
 
-    monkeypatch.setattr(cli_convert, "convert", recorded)
+    monkeypatch.setattr(convert_module, "convert", recorded)
     value, extra = KNOB_VALUES[knob]
     text = str(value).lower() if isinstance(value, bool) else str(value)
     out = tmp_path / "out"
@@ -318,7 +319,6 @@ def test_every_knob_reaches_the_conversion(knob, monkeypatch, source, tmp_path):
 def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypatch, source, tmp_path):
     """A bug (not a ConversionError) raised after convert() started writing: one line, partial files removed (the
     staged folder and the parents of OUTPUT the run created; tlm_io.outputs.output_run)."""
-    import tlm_convert.convert as convert_module
     from tlm_io.outputs import staged
 
     def broken_convert(source, out, opts, on_phase, on_layer, *limits):
@@ -433,6 +433,37 @@ def test_one_tlm_group_and_tlm_convert_is_tlm_convert():
 
 def test_tlm_convert_option_set_is_pinned():
     assert _long_options(convert_main) == TLM_CONVERT_OPTIONS
+
+
+def test_tlm_help_lists_the_commands_without_importing_them():
+    """The console's tlm group (tlm_cli.group) shows tlm_cli.main's help and runs its commands."""
+    assert _run(["--help"], command=tlm_group).stdout == _run(["--help"], command=tlm_main).stdout
+    assert set(COMMANDS) == set(tlm_main.commands)
+    assert all(tlm_group.get_command(None, name) is tlm_main.commands[name] for name in COMMANDS)
+
+
+def test_help_and_refusals_come_before_torch(source, tmp_path):
+    """tlm --help, tlm-convert --help, and a bad option, knob or input refused before torch or transformers is
+    imported (a fresh interpreter: the help in well under a second, every option and path checked before the load)."""
+    out = tmp_path / "out"
+    cases = [["tlm", "--help"], ["tlm-convert", "--help"], ["tlm", "convert", "--help"],
+             ["tlm-convert", source, "-o", out, "--ratio", "2/0"], ["tlm-convert", source, "-o", out, "--ratio", "x"],
+             ["tlm-convert", tmp_path / "missing", "-o", out], ["tlm-convert", source, "-o", out, "--set", "x=1"],
+             ["tlm-convert", source, "-o", out, "--calibration-tokens", "32", "--seq-len", "64"],
+             ["tlm-convert", source, "-o", source], ["tlm-convert", source, "-o", out, "--low-memory", "--export", "hf"]]
+    script = ("import json, sys\nfrom tlm_cli.launch import convert_main, tlm_main\ncodes = []\n"
+              "for case in json.loads(sys.argv[1]):\n    sys.argv = case\n    try:\n"
+              "        (tlm_main if case[0] == 'tlm' else convert_main)()\n    except SystemExit as done:\n"
+              "        codes.append(done.code)\n"
+              "print(json.dumps([codes, sorted({'torch', 'transformers'} & set(sys.modules))]))\n")
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([[str(w) for w in c] for c in cases])],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    codes, heavy = json.loads(proc.stdout.splitlines()[-1])
+    assert codes == [0, 0, 0, 1, 1, 1, 2, 1, 1, 1] and heavy == [], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 7 and "Traceback" not in proc.stderr, proc.stderr
+    assert "every multiplier must be > 0" in errors[0] and "does not exist" in errors[2], errors
 
 
 def test_readme_synopsis_covers_every_option():

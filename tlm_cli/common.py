@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
@@ -94,13 +95,19 @@ def check_positive(**values: int) -> None:
 
 
 def check_device(device: str) -> None:
-    """A clear error for a device string torch does not know or a device this machine does not have."""
+    """A clear error for a device string torch does not know or a device this machine does not have (torch is
+    imported for any device but the CPU)."""
+    if device == "cpu":
+        return
+    unknown = f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N"
+    if not re.fullmatch(r"[a-z_]+(:\d+)?", device):
+        raise ConversionError(unknown)
     import torch
 
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise ConversionError(f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        raise ConversionError(unknown) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConversionError(f"option --device {device}: CUDA is not available (this torch build or machine "

@@ -1,6 +1,6 @@
-"""``tlm-convert`` (also ``tlm convert``, in the ``tlm`` group of tlm_cli.main): the user's options, the method knobs
-behind ``--set`` (tlm_convert.options), progress on stderr and the summary of a conversion (tlm_convert.convert). Only
-the CLI modules print."""
+"""``tlm-convert`` (also ``tlm convert``, in the ``tlm`` group): the user's options, the method knobs behind ``--set``
+(tlm_convert.options), progress on stderr and the summary. Every option and path is checked before the conversion
+module (torch, transformers) is imported. Only the CLI modules print."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import sys
 
 import click
 
-from tlm_convert.convert import convert
-from tlm_convert.evalsets import perplexity_lines
 from tlm_convert.options import (DTYPE_CHOICES, EXPORT_FORMATS, MIXER_CHOICES, SCHEDULE_CHOICES, ConvertOptions,
-                                 Method, method_from)
+                                 Method, method_from, preflight)
 from tlm_io.errors import ConversionError, Stopped, one_line
 from tlm_io.heap import return_freed_memory
 
@@ -71,11 +69,14 @@ def convert_main(input_model, output, export_format, **kwargs):
     """
     bar = _PhaseBars()
     try:
-        quiet_libraries()
         options = ConvertOptions(export=export_format, **kwargs)
         check_device(options.device)
+        source = preflight(input_model, output, options)
+        quiet_libraries()
+        from tlm_convert.convert import convert  # torch and transformers: once every option and path has passed
+
         return_freed_memory()
-        report = convert(input_model, output, options, on_phase=bar.phase, on_layer=bar.layer, on_note=_note)
+        report = convert(source, output, options, on_phase=bar.phase, on_layer=bar.layer, on_note=_note)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         bar.close()
         if isinstance(err, Stopped) and err.during is None and bar.current:
@@ -132,6 +133,8 @@ class _PhaseBars:
 
 
 def _summary(report: dict, output: str) -> None:
+    from tlm_convert.evalsets import perplexity_lines  # imported with the conversion already
+
     for note in report.get("notes", ()):  # what the import adjusted (Source.notes), when convert() reports them
         click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {output} ({report['export']} format)")
