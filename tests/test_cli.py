@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -337,6 +338,29 @@ def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypa
 
 
 # ============================================================================================ success
+
+
+def test_progress_says_where_it_is_and_how_much_is_left(converted):
+    """The phases in order, then one bar over the layers that knows their number; notes on lines of their own."""
+    result, _ = converted
+    screen = result.stderr.replace("\r", "\n")
+    markers = re.findall(r"^\[(\w+)\]$", screen, re.M)
+    assert markers[:2] == ["load", "eval"] and "rank" in markers, markers
+    assert re.search(r"^layers: 100%\|.*\| 4/4 ", screen, re.M), screen
+    assert screen.index("[rank]") < screen.index("layers:") < screen.index("[save]")
+
+
+def test_a_note_during_a_progress_bar_gets_a_line_of_its_own(monkeypatch):
+    from tqdm import tqdm
+
+    from tlm_cli.common import say
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = tqdm(total=3, desc="layers", file=sys.stderr)
+    bar.update(1)
+    say("note: heal: 1,024 tokens, about 3 min")
+    bar.close()
+    assert "note: heal: 1,024 tokens, about 3 min" in sys.stderr.getvalue().replace("\r", "\n").splitlines()
 
 
 def test_successful_conversion_prints_the_summary(converted, source):

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,6 +197,10 @@ def test_a_staged_conversion_ends_at_the_one_shot_widths_healed_from_the_source(
     assert [s["before"] for s in b["perplexity_sets"]] == before  # evaluated against the source, not stage 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["once", "staged"]  # the stages' folder is gone
     assert "taper stages: 2, ratios 1.4/0.6, 1.8/0.2, 512 heal tokens after each" in res.output
+    healed = b["perplexity_sets"][0]  # the held-out figure, not the training loss of two batches
+    assert re.search(rf"^heal: 512 tokens of distillation from the source in .*; perplexity on {re.escape(str(DATA))} "
+                     rf"{healed['after']:.3f} converted -> {healed['healed']:.3f} healed$", res.output, re.M), res.output
+    assert "heal: 100%" in res.output.replace("\r", "\n")  # the heal's bar says what it is
     assert "reached in 2 stages (--set taper_stages)" in (staged / "report.md").read_text()
     load_model(str(staged), with_tokenizer=False)
 

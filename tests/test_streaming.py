@@ -82,8 +82,8 @@ def test_policies_write_the_same_tensors(policy, family, extra, sources, in_memo
     monkeypatch.setattr(convert_module, "LOW_MEMORY", POLICIES[policy])
     seen = []
     low = convert(str(sources[family]), str(tmp_path / "low"), options_from(low_memory=True, **{**OPTS, **extra}),
-                  on_layer=seen.append)
-    assert seen == [0, 1, 2, 3]
+                  on_layer=lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
     assert low["widths_after"] == full["widths_after"] == [72, 60, 36, 24]
     assert low["params_before"] == full["params_before"]
     assert low["params_after"] == full["params_after"]
@@ -195,8 +195,8 @@ def test_output_is_atomic_when_a_layer_fails(sources, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("old output")
 
-    def fail(layer):
-        if layer == 1:
+    def fail(done, total):
+        if done == 2:
             raise RuntimeError("boom")
 
     opts = options_from(low_memory=True, overwrite=True, **OPTS)

@@ -23,6 +23,17 @@ def fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
+def say(line: str) -> None:
+    """One line on stderr, above any progress bar on screen (tqdm.write) rather than glued to its end."""
+    if "tqdm" in sys.modules:  # a bar may be on screen only when tqdm was imported
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
+        sys.stderr.flush()  # in order with what click.echo writes (and flushes)
+    else:
+        click.echo(line, err=True)
+
+
 def _message(err: BaseException) -> str:
     """One line for any exception: its message (multi-line reports joined), else its type."""
     return one_line(err) or type(err).__name__
@@ -76,7 +87,7 @@ def stop_on_sigterm():
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as one ``warning:`` line on stderr (no source line)."""
-    click.echo(f"warning: {one_line(message)}", err=True)
+    say(f"warning: {one_line(message)}")
 
 
 def quiet_libraries() -> None:
@@ -150,4 +161,4 @@ class OneLineCommand(click.Command):
 
 
 __all__ = ["DEBUG_ENV", "OneLineCommand", "STOPPED_EXIT", "check_device", "check_positive", "fail", "quiet_libraries",
-           "report_failure", "stop_on_sigterm"]
+           "report_failure", "say", "stop_on_sigterm"]

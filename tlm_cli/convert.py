@@ -13,7 +13,7 @@ from tlm_convert.options import (DTYPE_CHOICES, EXPORT_FORMATS, MIXER_CHOICES, S
 from tlm_io.errors import ConversionError, Stopped, one_line
 from tlm_io.heap import return_freed_memory
 
-from .common import OneLineCommand, check_device, quiet_libraries, report_failure
+from .common import OneLineCommand, check_device, quiet_libraries, report_failure, say
 
 DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_convert.options.ConvertOptions)
 
@@ -96,12 +96,12 @@ def _method(settings: tuple[str, ...]) -> Method:
 
 def _note(text: str) -> None:
     """What the conversion says aloud before a long phase (its estimated time), one ``note:`` line on stderr."""
-    click.echo(f"note: {one_line(text)}", err=True)
+    say(f"note: {one_line(text)}")
 
 
 class _PhaseBars:
-    """Progress on stderr: a ``[phase]`` line per phase until the layer loop starts, then one tqdm bar over the
-    layers whose postfix names the current phase (the loop alternates calibrate/rank/resize(/save) per layer)."""
+    """Progress on stderr: a ``[phase]`` line per phase, and over the layer loop one bar of the layers (done of
+    total) whose postfix names the phase of the current layer (calibrate, rank, resize)."""
 
     def __init__(self):
         self.current, self.bar = None, None
@@ -110,21 +110,22 @@ class _PhaseBars:
         if name == self.current:
             return
         self.current = name
-        if name == "heal":  # the layer loop is over; the training run shows its own bar
-            self.close()
         if self.bar is not None:
             self.bar.set_postfix_str(name)
         else:
-            click.echo(f"[{name}]", err=True)
+            say(f"[{name}]")
 
-    def layer(self, idx: int) -> None:
+    def layer(self, done: int, total: int) -> None:
+        """``done`` of ``total`` layers converted (0: the loop starts); the bar closes with the last one."""
         from tqdm import tqdm
 
         if self.bar is None:
-            self.bar = tqdm(desc="layers", unit="layer", file=sys.stderr)
+            self.bar = tqdm(total=total, desc="layers", unit="layer", file=sys.stderr)
             if self.current:
                 self.bar.set_postfix_str(self.current)
-        self.bar.update(1)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -136,7 +137,7 @@ def _summary(report: dict, output: str) -> None:
     from tlm_convert.evalsets import perplexity_lines  # imported with the conversion already
 
     for note in report.get("notes", ()):  # what the import adjusted (Source.notes), when convert() reports them
-        click.echo(f"note: {note}", err=True)
+        say(f"note: {note}")
     click.echo(f"wrote {output} ({report['export']} format)")
     click.echo(f"parameters: {report['params_before']:,} before, {report['params_after']:,} after"
                + (" (equal)" if report["params_before"] == report["params_after"] else ""))
@@ -150,11 +151,25 @@ def _summary(report: dict, output: str) -> None:
         click.echo(f"taper stages: {len(stages)}, ratios " + ", ".join(s["ratio"] for s in stages)
                    + f", {stages[-1]['heal_tokens']:,} heal tokens after each")
     if "heal" in report:
-        h = report["heal"]
-        click.echo(f"heal: {h['tokens']:,} tokens of distillation from the source in {h['seconds']:.1f}s "
-                   f"({h['cpu_seconds']:.0f} CPU s), loss {h['first_loss']:.4f} -> {h['last_loss']:.4f}")
+        click.echo(_heal_line(report))
     seconds = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items())
     click.echo(f"time: {seconds}; peak memory {report['peak_rss_mb']:.0f} MB")
+
+
+def _heal_line(report: dict) -> str:
+    """The heal in one line: with evaluation sets, where their perplexity went (the figures above); without, the
+    training loss, each step's on its own batch (it moves with the batch, not only with the model)."""
+    h = report["heal"]
+    head = f"heal: {h['tokens']:,} tokens of distillation from the source in {h['seconds']:.1f}s " \
+           f"({h['cpu_seconds']:.0f} CPU s)"
+    if "perplexity_ratio_ood_geomean_healed" in report:
+        return (f"{head}; out-of-domain perplexity x{report['perplexity_ratio_ood_geomean']:.3f} converted -> "
+                f"x{report['perplexity_ratio_ood_geomean_healed']:.3f} healed")
+    if "perplexity_healed" in report:
+        return (f"{head}; perplexity on {report['perplexity_sets'][0]['data']} {report['perplexity_after']:.3f} "
+                f"converted -> {report['perplexity_healed']:.3f} healed")
+    return (f"{head}; training loss {h['first_loss']:.4f} (first step) -> {h['last_loss']:.4f} (last step), each "
+            "on its own batch: --eval-data measures held-out perplexity")
 
 
 __all__ = ["convert_main"]

@@ -208,7 +208,7 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
     unchanged, with no scores. For a model in memory: ``convert_layers(model.model, ModelLayers(model), ...)``
     converts ``model`` in place.
 
-    ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context manager that accounts
+    ``progress(done, total)`` is called with 0 before the first layer and after each; ``timer(phase)`` is a context manager that accounts
     seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank" (scores, plan, the refit's
     solve) and "resize" (new weights and the MLP passes that use them)."""
     timer = timer or _no_timer
@@ -224,7 +224,10 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
     source_hidden = None  # the source layers' residual stream, from the first shrinking layer on
     step = _LayerStep(base, positions, settings, policy, timer)
     plans, scores = [], []
-    for i in range(base.config.num_hidden_layers):
+    total = base.config.num_hidden_layers
+    if progress is not None:
+        progress(0, total)
+    for i in range(total):
         layer = layers.layer(i)
         width, source_width = widths[i], layer.mlp.down_proj.in_features
         with timer("calibrate"):
@@ -245,21 +248,23 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
         layers.done(i, layer, plan, scores[-1])
         del layer
         if progress is not None:
-            progress(i)
+            progress(i + 1, total)
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
 
 
 def _pass_through(base, layers: Layers, progress) -> CalibrationResult:
     """The loop of an exact import: each layer, unchanged (the identity plan), straight to ``layers.done``."""
     layers.embedded()
-    plans = []
+    plans, total = [], base.config.num_hidden_layers
+    if progress is not None:
+        progress(0, total)
     for i, width in enumerate(base.config.intermediate_sizes):
         layer = layers.layer(i)
         plans.append(LayerPlan(keep=list(range(width))))
         layers.done(i, layer, plans[-1], None)
         del layer
         if progress is not None:
-            progress(i)
+            progress(i + 1, total)
     return CalibrationResult(plans=plans, scores=[None] * len(plans), tokens=0, hidden=[])
 
 
