@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tlm_io.errors import ConversionError  # noqa: E402
 from tlm_io.locate import resolve_builtin  # noqa: E402
 from tlm_convert.convert import convert  # noqa: E402
 from tlm_convert.options import SELF, ConvertOptions, calibration_sources, method_from  # noqa: E402
@@ -60,7 +61,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/convert_time.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    opts = ConvertOptions(method=method_from(args.set))
+    try:
+        opts = ConvertOptions(method=method_from(args.set))
+    except ConversionError as err:
+        raise SystemExit(f"error: {err}") from None
     source = resolve_builtin(args.source)
 
     forward = [plain_forward_seconds(source, opts)]

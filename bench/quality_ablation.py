@@ -43,6 +43,7 @@ from tlm_convert.convert import SAMPLES_FILE, layer_settings, measure_widths, pl
 from tlm_convert.options import MEASURED, ConvertOptions, method_from
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.samples import calibration_blocks, samples_text
+from tlm_io.errors import ConversionError
 from tlm_io.export import export_model
 from tlm_io.load import load_model
 from tlm_io.perplexity import perplexity
@@ -88,10 +89,13 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     seed, knobs = layer_seed(args.set)
-    opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
-                          schedule=args.schedule, ratio=args.ratio, seed=args.calibration_seed,
-                          method=method_from(knobs))
-    opts.validate()
+    try:
+        opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
+                              schedule=args.schedule, ratio=args.ratio, seed=args.calibration_seed,
+                              method=method_from(knobs))
+        opts.validate()
+    except ConversionError as err:
+        raise SystemExit(f"error: {err}") from None
     if opts.method.taper_stages != 1:
         raise SystemExit("--set taper_stages: a staged conversion heals between stages; use bench/gradual_taper.py")
     model, tokenizer, src = load_model(args.source)
