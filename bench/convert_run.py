@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
             source = make_source(Path(tmp) / "src")
             convert_args = [str(source), "--calibration-data", str(ROOT / "tests/data/shakespeare_slice.txt"),
-                            "--calibration-tokens", "256", "--seq-len", "32", "--multiple-of", "1",
+                            "--calibration-tokens", "256", "--seq-len", "32", "--set", "multiple_of=1",
                             "--eval-data", str(ROOT / "tests/data/shakespeare_slice.txt"), "--eval-tokens", "128",
                             *convert_args]
         out_dir = Path(args.keep) if args.keep else Path(tmp) / "out"

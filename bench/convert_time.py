@@ -13,7 +13,7 @@ the process's CPU seconds (user + sys of all its threads: on a shared machine th
 the repository root:
 
     OMP_NUM_THREADS=1 python bench/convert_time.py --threads 1 --out bench/results/convert_time.json
-    python bench/convert_time.py --set refit_target=local   # any ConvertOptions field
+    python bench/convert_time.py --set refit_target=local   # a method knob, as tlm-convert --set (docs/knobs.md)
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tlm_io.errors import ConversionError  # noqa: E402
 from tlm_io.locate import resolve_builtin  # noqa: E402
-from tlm_convert.convert import ConvertOptions, calibration_sources, convert  # noqa: E402
+from tlm_convert.convert import convert  # noqa: E402
+from tlm_convert.options import SELF, ConvertOptions, calibration_sources, method_from  # noqa: E402
 from tlm_io.load import load_model  # noqa: E402
-from tlm_convert.samples import SELF, calibration_blocks  # noqa: E402
+from tlm_convert.samples import calibration_blocks  # noqa: E402
 
 
 def plain_forward_seconds(source: str, opts: ConvertOptions) -> tuple[float, float]:
@@ -51,29 +52,19 @@ def plain_forward_seconds(source: str, opts: ConvertOptions) -> tuple[float, flo
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _options(pairs: list[str]) -> ConvertOptions:
-    types = {f.name: f.type for f in fields(ConvertOptions)}
-    values = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in types:
-            raise SystemExit(f"--set {pair}: unknown option {key!r}; expected one of {', '.join(types)}")
-        kind = types[key] if isinstance(types[key], str) else types[key].__name__
-        values[key] = (value.lower() in ("1", "true", "yes")) if "bool" in kind else \
-            int(value) if kind.startswith("int") else value
-    return ConvertOptions(**values)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                        help="a ConvertOptions field, e.g. calibration_tokens=16384 or refit_target=local")
+    parser.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                        help="a method knob, as tlm-convert --set, e.g. refit_target=local (docs/knobs.md)")
     parser.add_argument("--out", default="bench/results/convert_time.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    opts = _options(args.set)
+    try:
+        opts = ConvertOptions(method=method_from(args.set))
+    except ConversionError as err:
+        raise SystemExit(f"error: {err}") from None
     source = resolve_builtin(args.source)
 
     forward = [plain_forward_seconds(source, opts)]
@@ -91,7 +82,7 @@ def main() -> None:
     core = phases["calibrate"] + phases["rank"] + phases["resize"]
     result = {
         "machine": platform.machine(), "threads": args.threads, "torch": torch.__version__,
-        "options": asdict(opts), "calibration_tokens": report["calibration_tokens"],
+        "options": opts.record(), "calibration_tokens": report["calibration_tokens"],
         "plain_forward_seconds": [f[0] for f in forward], "plain_forward_cpu_seconds": [f[1] for f in forward],
         "conversion_wall_seconds": wall, "conversion_cpu_seconds": cpu, "seconds_per_phase": phases,
         "ratio_total": wall / base, "ratio_calibrate_rank_resize": core / base,

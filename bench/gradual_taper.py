@@ -1,6 +1,6 @@
 """A taper reached in K stages during the heal (issue 23 item 2), against the one-shot conversion at equal tokens.
 
-``tlm-convert --taper-stages K --heal-tokens N`` (tlm_convert.convert.convert_in_stages): stage k of K converts the
+``tlm-convert --set taper_stages=K --heal-tokens N`` (tlm_convert.convert.convert_in_stages): stage k of K converts the
 current model (the source, then the previous stage's healed TLM) to the ratio 1 + 0.5 k/K / 1 - 0.5 k/K (the last
 stage: the target 1.5/0.5, so the final widths and parameter count are those of the one-shot conversion),
 calibrated on the current model, then heals it for N/K tokens by distillation from the *original* source. Every
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
-from tlm_convert.samples import SELF
+from tlm_convert.options import SELF, ConvertOptions, Method
 from tlm_io.load import load_model
 from tlm_io.locate import resolve_builtin
 from tlm_io.perplexity import perplexity
@@ -45,8 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    opts = ConvertOptions(calibration_data=("default", args.samples), importance=args.importance,
-                          taper_stages=args.stages, heal_tokens=args.heal_tokens, overwrite=True)
+    opts = ConvertOptions(calibration_data=("default", args.samples), heal_tokens=args.heal_tokens, overwrite=True,
+                          method=Method(importance=args.importance, taper_stages=args.stages))
     cpu0, wall0 = time.process_time(), time.perf_counter()
     report = convert(resolve_builtin(args.source), str(work / "final"), opts)  # the CLI resolves names
     stages = report["taper_stages"]

@@ -6,9 +6,9 @@ bundled evaluation set against the source.
         [--schedule S] [--ratio R] [--set FIELD=VALUE ...] [--calibration-seed N] [--calibration-cache FILE]
         [--save DIR] [--choice OPTIONS | --study STUDY]
 
-``--set`` overrides a field of calibrate.LayerSettings (e.g. ``--set token_weighting=none``, ``--set shrink=fold``);
-the row's ``settings`` records every field. The conversion is
-the one every ``tlm-convert`` runs (convert_layers with the default widths, importance and settings); its CPU
+``--set KNOB=VALUE`` sets a method knob as ``tlm-convert --set`` does (tlm_convert.options.method_from, docs/knobs.md),
+and the row's ``settings`` keep every knob's value. The conversion is the one every ``tlm-convert`` runs
+(convert_layers with the default widths, importance and settings); its CPU
 seconds (user+sys of this process, all threads) and wall seconds are recorded. Evaluation: the first 16,384 tokens
 of each set in disjoint 512-token windows, as ``tlm eval --data all-eval --max-tokens 16384 --seq-len 512 --stride
 512``; the source's perplexities are cached in bench/results/quality/source.json (SmolLM2-135M) or
@@ -21,8 +21,8 @@ file: the first row that names it draws them, later rows read the same tokens, s
 only in what they set (the draw is seeded: the cached blocks are those the default conversion draws).
 ``--calibration-seed N`` draws the ``self`` samples with seed N (``tlm-convert --seed N`` draws them so; text blocks
 are evenly spread, the same at every seed) and is the report's seed, so a heal of the saved row is seeded by it too;
-a cache that exists is read as it is, whatever the seed (name one cache per seed). ``--set seed=N`` is the
-conversion's own seed (growth, Fisher draws).
+a cache that exists is read as it is, whatever the seed (name one cache per seed). ``--set seed=N`` (not a knob:
+``tlm-convert --seed`` sets both) is the layer loop's own seed alone (growth, Fisher draws).
 ``--save DIR`` writes the converted model (TLM format, with the tokenizer), its calibration_samples.txt and a
 conversion_report.json with the keys bench/heal_curve.py reads, so the row can be healed.
 """
@@ -30,7 +30,6 @@ conversion_report.json with the keys bench/heal_curve.py reads, so the row can b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -41,9 +40,9 @@ import torch
 
 from safetensors.torch import load_file, save_file
 
-from tlm_convert.calibrate import IN_MEMORY, LayerSettings, ModelLayers, convert_layers, score_whole_model
-from tlm_convert.convert import (MEASURED, SAMPLES_FILE, ConvertOptions, measure_widths, plan_widths,
-                                 resolve_importance)
+from tlm_convert.calibrate import IN_MEMORY, ModelLayers, convert_layers, score_whole_model
+from tlm_convert.convert import SAMPLES_FILE, layer_settings, measure_widths, plan_widths, resolve_importance
+from tlm_convert.options import MEASURED, ConvertOptions, method_from
 from tlm_convert.evalsets import eval_set_blocks, perplexity_entries
 from tlm_convert.samples import calibration_blocks, samples_text
 from tlm_io.errors import ConversionError
@@ -60,13 +59,10 @@ def source_cache(source: str) -> Path:
     return RESULTS / ("source.json" if source == SOURCE else f"source_{source}.json")
 
 
-def parse_value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+def layer_seed(settings: list[str]) -> tuple[int | None, list[str]]:
+    """``seed=N`` (the layer loop's seed) apart from the knobs of ``--set``."""
+    seeds = [int(s.partition("=")[2]) for s in settings if s.partition("=")[0].strip() == "seed"]
+    return (seeds[-1] if seeds else None), [s for s in settings if s.partition("=")[0].strip() != "seed"]
 
 
 def main() -> None:
@@ -76,15 +72,17 @@ def main() -> None:
     ap.add_argument("--calibration-data", action="append", default=None,
                     help="repeat for a blend, each an equal share of --calibration-tokens ('self': samples of the "
                          "source) [the conversion's default]")
-    ap.add_argument("--calibration-tokens", type=int, default=ConvertOptions.calibration_tokens)
+    defaults = ConvertOptions()
+    ap.add_argument("--calibration-tokens", type=int, default=defaults.calibration_tokens)
     ap.add_argument("--in-domain-as", default=None, help="label the eval sets as for this calibration source")
-    ap.add_argument("--schedule", default=ConvertOptions.schedule,
+    ap.add_argument("--schedule", default=defaults.schedule,
                     help="the conversion's --schedule (measured / measured-taper: widths from the Fisher profile of "
                          "the calibration blocks, tlm_convert.convert.measure_widths)")
-    ap.add_argument("--ratio", default=ConvertOptions.ratio, help="the conversion's --ratio (first/last layer's "
+    ap.add_argument("--ratio", default=str(defaults.ratio), help="the conversion's --ratio (first/last layer's "
                     "multiple of the source's width)")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    ap.add_argument("--calibration-seed", type=int, default=ConvertOptions.seed,
+    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                    help="a method knob, as tlm-convert --set (docs/knobs.md); seed=N: the layer loop's seed alone")
+    ap.add_argument("--calibration-seed", type=int, default=defaults.seed,
                     help="the seed of the self samples' draw [the conversion's default]")
     ap.add_argument("--calibration-cache", default=None, help="safetensors file of the calibration blocks")
     ap.add_argument("--save", default=None, help="write the converted model and a report here (for heal_curve.py)")
@@ -96,10 +94,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    seed, knobs = layer_seed(args.set)
+    try:
+        opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
+                              schedule=args.schedule, ratio=args.ratio, seed=args.calibration_seed,
+                              method=method_from(knobs))
+        opts.validate()
+    except ConversionError as err:
+        raise SystemExit(f"error: {err}") from None
+    if opts.method.taper_stages != 1:
+        raise SystemExit("--set taper_stages: a staged conversion heals between stages; use bench/gradual_taper.py")
     model, tokenizer, src = load_model(args.source)
-    opts = ConvertOptions(calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
-                          schedule=args.schedule, ratio=args.ratio, seed=args.calibration_seed)
-    opts.validate()
     sources = opts.calibration_data
     widths = plan_widths(src.tlm_config, opts)
     resolve_importance(opts, src.tlm_config.intermediate_sizes[0])
@@ -109,18 +114,9 @@ def main() -> None:
     if before is None or set(before) != set(evalb):
         before = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
         cache.write_text(json.dumps(before, indent=1))
-    settings = opts.layer_settings()
-    fields = {f.name for f in dataclasses.fields(LayerSettings)}
-    overrides = {}
-    for item in args.set:
-        key, value = item.split("=", 1)
-        if key not in fields:
-            raise SystemExit(f"--set {key}: not a LayerSettings field ({', '.join(sorted(fields))})")
-        overrides[key] = parse_value(value)
-    try:  # LayerSettings checks its knobs (shrink, fold_iters): refused before the calibration
-        settings = dataclasses.replace(settings, **overrides)
-    except ConversionError as err:
-        raise SystemExit(f"--set: {err}") from None
+    settings = layer_settings(opts)
+    if seed is not None:
+        settings.seed = seed
     cpu0, wall0 = time.process_time(), time.perf_counter()
     cache_file = Path(args.calibration_cache) if args.calibration_cache else None
     if cache_file is not None and cache_file.is_file():
@@ -142,11 +138,13 @@ def main() -> None:
     model.config.intermediate_sizes = list(widths)
     after = {name: perplexity(model, blocks, opts.batch_size) for name, blocks in evalb.items()}
     entries = perplexity_entries(before, after, args.in_domain_as or opts.calibration_data)
-    row = {"name": args.name, "source": args.source, "schedule": opts.schedule, "ratio": opts.ratio,
+    row = {"name": args.name, "source": args.source, "schedule": opts.schedule, "ratio": str(opts.ratio),
            "widths": list(widths),
            "calibration_data": list(sources), "calibration_tokens": int(calib.numel()),
            "sample_cpu_s": round(sample_cpu, 1), "sample_wall_s": round(sample_wall, 1),
-           "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "model_scores"}, "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
+           "settings": {**opts.record()["method"], "batch_size": settings.batch_size, "seed": settings.seed,
+                        "scores_needed": settings.scores_needed},
+           "convert_cpu_s": round(cpu, 1), "convert_wall_s": round(wall, 1),
            "threads": torch.get_num_threads(),
            "sets": {s["data"]: {"before": s["before"], "after": s["after"], "ratio": s["ratio"],
                                 "in_domain": s["in_domain"]} for s in entries["perplexity_sets"]},

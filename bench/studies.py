@@ -67,7 +67,7 @@ STUDY_LIST = [
     Study("heal-recipe", "The heal's recipe: rate, schedule, loss, text",
           "What heals a conversion fastest per token: the rate and its schedule, a richer loss, other text?",
           also=["fisher_token", "heal_fisher_token"]),
-    Study("gradual-taper", "A taper reached in stages (`--taper-stages`)",
+    Study("gradual-taper", "A taper reached in stages (`--set taper_stages=K`)",
           "Does reaching the widths in several conversions, each healed, beat one conversion healed as long?",
           also=["heal_obs", "heal_gemma_relative"]),
     Study("heal-step", "The heal step's loss and its chunk",

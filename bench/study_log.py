@@ -192,7 +192,7 @@ LOGS: dict[str, list[tuple[str, str]]] = {
     ],
     "gradual-taper": [
         ("2026-12-04",
-         "`--taper-stages K` (with `--heal-tokens N`) reaches the widths in K conversions: the `--ratio` multipliers "
+         "`--set taper_stages=K` (with `--heal-tokens N`) reaches the widths in K conversions: the `--ratio` multipliers "
          "move from 1 in K equal steps, each stage ranks the neurons of the current, partly healed model and heals "
          "N/K tokens from the source. At equal tokens (24,576, OBS ranking) it measured worse than one shot on both "
          "sources: SmolLM2-135M {ood:heal_gradual3@24576} against {ood:heal_obs@24576}, Gemma 3 270M "

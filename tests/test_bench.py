@@ -23,6 +23,7 @@ from bench.study_log import LOGS
 from tlm import taper_widths
 from tlm_cli.convert import convert_main
 from tlm_convert.convert import stage_ratio
+from tlm_convert.options import Ratio
 
 ROOT = Path(__file__).parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -371,7 +372,8 @@ def test_the_compare_reading_follows_its_rule():
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 5, 7])
 def test_every_taper_stage_is_a_ratio_the_conversion_accepts(stages):
-    widths = [taper_widths(30, 1536, "cosine", stage_ratio("1.5/0.5", k, stages)) for k in range(1, stages + 1)]
+    ratios = [stage_ratio(Ratio.parse("1.5/0.5"), k, stages) for k in range(1, stages + 1)]
+    widths = [taper_widths(30, 1536, "cosine", r.values) for r in ratios]
     assert all(sum(w) == 30 * 1536 for w in widths)  # every stage keeps the parameter budget
     assert widths[-1] == taper_widths(30, 1536, "cosine", "1.5/0.5")  # and the last is the one-shot target
     assert [w[0] for w in widths] == sorted(w[0] for w in widths)  # the first layer widens stage by stage

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -25,23 +26,26 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
+import tlm_convert.convert as convert_module
 from tlm_cli.convert import convert_main
+from tlm_cli.group import COMMANDS, tlm_group
 from tlm_cli.main import tlm_main
+from tlm_convert.options import KNOBS, method_from
 from tlm_io.archs import SUPPORTED_ARCHITECTURES
+from tlm_io.errors import ConversionError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "2048", "--seq-len", "64", "--batch-size", "4",
-        "--multiple-of", "1"]
+        "--set", "multiple_of=1"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
-# The option set of tlm-convert, pinned: a new or renamed flag must show up here (and in the README) in review.
+# The option set of tlm-convert, pinned (torchtitan's test_no_new_cli_options): what a user chooses. A method knob is
+# a Method field reached by --set (tlm_convert.options), not a flag; a new flag must show up here and in the README.
 TLM_CONVERT_OPTIONS = [
     "--batch-size", "--calibration-data", "--calibration-tokens", "--device", "--dtype", "--eval-data",
-    "--eval-tasks", "--eval-tokens", "--export", "--fisher-draws", "--grow-init", "--heal-tokens", "--help", "--importance",
-    "--low-memory",
-    "--max-hours", "--mixer", "--multiple-of", "--no-refit", "--output", "--overwrite", "--ratio", "--reconstruct-epochs",
-    "--refit", "--refit-target", "--schedule", "--seed", "--seq-len", "--taper-stages", "--token-weighting",
-    "--trust-remote-code",
+    "--eval-tasks", "--eval-tokens", "--export", "--heal-tokens", "--help", "--low-memory", "--max-hours", "--mixer",
+    "--output",
+    "--overwrite", "--ratio", "--schedule", "--seed", "--seq-len", "--set", "--trust-remote-code",
 ]
 
 
@@ -250,7 +254,7 @@ def test_hub_id_while_offline_asks_for_a_local_path(tmp_path):
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [("--device", "no-such-device", "not a torch device"),
-                                                          ("--multiple-of", "0", "positive integer"),
+                                                          ("--set", "multiple_of=0", "integer >= 1"),
                                                           ("--seq-len", "0", "positive integer")])
 def test_bad_option_values(flag, value, expected, source, tmp_path):
     before, out = _digest(source), tmp_path / "out"
@@ -268,10 +272,56 @@ def test_usage_errors_are_one_line(args, source, tmp_path):
     assert result.exit_code == 2 and _assert_refused(result, out).startswith("Missing option '-o'")
 
 
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("no_such_knob=1", r"^no_such_knob: unknown method knob; the knobs: importance, .*, fold_iters \(docs/knobs.md\)"),
+    ("importance=bogus", r"^importance: expected one of auto, activation, .*, fisher_obs, got 'bogus'"),
+    ("fisher_draws=two", r"^fisher_draws: expected an integer, got 'two'"),
+    ("refit=maybe", r"^refit: expected true or false, got 'maybe'"),
+    ("fisher_draws=0", r"^fisher_draws=0: must be an integer >= 1"),
+    ("seed=1", r"^seed: not a method knob but an option: use --seed"),
+    ("importance", r"expected name=value")])
+def test_bad_knobs_are_refused_as_bad_options_are(setting, expected, source, tmp_path):
+    """A bad --set: one usage error line naming the knob and what it takes, as a bad option value gets."""
+    out = tmp_path / "out"
+    result = _run([source, "-o", out, "--set", setting])
+    message = _assert_refused(result, out)
+    assert result.exit_code == 2 and message.startswith("Invalid value for '--set': "), message
+    assert re.search(expected, message.removeprefix("Invalid value for '--set': ")), message
+
+
+# a valid value other than the default for every knob (with what it needs of the options)
+KNOB_VALUES = {"importance": ("obs", []), "fisher_draws": (3, []), "fisher_mask": ("sequence", []),
+               "fisher_blocks": (4, []), "fisher_seq_len": (32, []), "grow_init": ("split", []),
+               "noise_scale": (0.5, []), "refit": (False, []), "refit_target": ("local", []), "damp": (0.01, []),
+               "token_weighting": ("sink", []), "reconstruct_epochs": (2, []), "reconstruct_lr": (0.001, []),
+               "multiple_of": (8, []), "taper_stages": (2, ["--heal-tokens", "100000"]),
+               "shrink": ("fold", []), "fold_iters": (3, [])}
+
+
+@pytest.mark.parametrize("knob", sorted(KNOB_VALUES))
+def test_every_knob_reaches_the_conversion(knob, monkeypatch, source, tmp_path):
+    """--set KNOB=VALUE arrives in the options convert() is given, every other knob at its default."""
+    assert set(KNOB_VALUES) == set(KNOBS)  # a new knob gets a value here
+    seen = []
+
+    def recorded(source, output, opts, **callbacks):
+        seen.append(opts)
+        raise ConversionError("recorded")
+
+    monkeypatch.setattr(convert_module, "convert", recorded)
+    value, extra = KNOB_VALUES[knob]
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    out = tmp_path / "out"
+    assert _assert_refused(_run([source, "-o", out, "--set", f"{knob}={text}", *extra]), out) == "recorded"
+    method = seen[0].method
+    assert getattr(method, knob) == value
+    default = method_from([])
+    assert all(getattr(method, k) == getattr(default, k) for k in KNOBS if k not in (knob, "importance"))
+
+
 def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypatch, source, tmp_path):
     """A bug (not a ConversionError) raised after convert() started writing: one line, partial files removed (the
     staged folder and the parents of OUTPUT the run created; tlm_io.outputs.output_run)."""
-    import tlm_convert.convert as convert_module
     from tlm_io.outputs import staged
 
     def broken_convert(source, out, opts, on_phase, on_layer, *limits):
@@ -290,6 +340,29 @@ def test_unexpected_error_inside_convert_is_one_line_and_leaves_nothing(monkeypa
 
 
 # ============================================================================================ success
+
+
+def test_progress_says_where_it_is_and_how_much_is_left(converted):
+    """The phases in order, then one bar over the layers that knows their number; notes on lines of their own."""
+    result, _ = converted
+    screen = result.stderr.replace("\r", "\n")
+    markers = re.findall(r"^\[(\w+)\]$", screen, re.M)
+    assert markers[:2] == ["load", "eval"] and "rank" in markers, markers
+    assert re.search(r"^layers: 100%\|.*\| 4/4 ", screen, re.M), screen
+    assert screen.index("[rank]") < screen.index("layers:") < screen.index("[save]")
+
+
+def test_a_note_during_a_progress_bar_gets_a_line_of_its_own(monkeypatch):
+    from tqdm import tqdm
+
+    from tlm_cli.common import say
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = tqdm(total=3, desc="layers", file=sys.stderr)
+    bar.update(1)
+    say("note: heal: 1,024 tokens, about 3 min")
+    bar.close()
+    assert "note: heal: 1,024 tokens, about 3 min" in sys.stderr.getvalue().replace("\r", "\n").splitlines()
 
 
 def test_successful_conversion_prints_the_summary(converted, source):
@@ -388,13 +461,38 @@ def test_tlm_convert_option_set_is_pinned():
     assert _long_options(convert_main) == TLM_CONVERT_OPTIONS
 
 
-# Method knobs: reachable and documented (docs/conversion.md, "How it chooses the neurons"), not a user's choice, so
-# not in the README's synopsis.
-METHOD_KNOBS = {"--importance", "--fisher-draws", "--grow-init", "--refit", "--refit-target", "--token-weighting",
-                "--reconstruct-epochs", "--taper-stages"}
+def test_tlm_help_lists_the_commands_without_importing_them():
+    """The console's tlm group (tlm_cli.group) shows tlm_cli.main's help and runs its commands."""
+    assert _run(["--help"], command=tlm_group).stdout == _run(["--help"], command=tlm_main).stdout
+    assert set(COMMANDS) == set(tlm_main.commands)
+    assert all(tlm_group.get_command(None, name) is tlm_main.commands[name] for name in COMMANDS)
 
 
-def test_readme_synopsis_covers_every_user_option():
+def test_help_and_refusals_come_before_torch(source, tmp_path):
+    """tlm --help, tlm-convert --help, and a bad option, knob or input refused before torch or transformers is
+    imported (a fresh interpreter: the help in well under a second, every option and path checked before the load)."""
+    out = tmp_path / "out"
+    cases = [["tlm", "--help"], ["tlm-convert", "--help"], ["tlm", "convert", "--help"],
+             ["tlm-convert", source, "-o", out, "--ratio", "2/0"], ["tlm-convert", source, "-o", out, "--ratio", "x"],
+             ["tlm-convert", tmp_path / "missing", "-o", out], ["tlm-convert", source, "-o", out, "--set", "x=1"],
+             ["tlm-convert", source, "-o", out, "--calibration-tokens", "32", "--seq-len", "64"],
+             ["tlm-convert", source, "-o", source], ["tlm-convert", source, "-o", out, "--low-memory", "--export", "hf"]]
+    script = ("import json, sys\nfrom tlm_cli.launch import convert_main, tlm_main\ncodes = []\n"
+              "for case in json.loads(sys.argv[1]):\n    sys.argv = case\n    try:\n"
+              "        (tlm_main if case[0] == 'tlm' else convert_main)()\n    except SystemExit as done:\n"
+              "        codes.append(done.code)\n"
+              "print(json.dumps([codes, sorted({'torch', 'transformers'} & set(sys.modules))]))\n")
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([[str(w) for w in c] for c in cases])],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    codes, heavy = json.loads(proc.stdout.splitlines()[-1])
+    assert codes == [0, 0, 0, 1, 1, 1, 2, 1, 1, 1] and heavy == [], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 7 and "Traceback" not in proc.stderr, proc.stderr
+    assert "every multiplier must be > 0" in errors[0] and "does not exist" in errors[2], errors
+
+
+def test_readme_synopsis_covers_every_option():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Converting a checkpoint", 1)[1]
     synopsis = re.search(r"```bash\n(.*?)```", section, re.S)[1]
@@ -405,12 +503,9 @@ def test_readme_synopsis_covers_every_user_option():
     for param in params:
         names = [*param.opts, *getattr(param, "secondary_opts", ())]
         known.update(names)
-        if isinstance(param, click.Option) and "--help" not in names and not METHOD_KNOBS & set(names):
+        if isinstance(param, click.Option) and "--help" not in names:
             assert mentioned & set(names), f"README synopsis does not mention {names}"
-    assert mentioned <= known - METHOD_KNOBS, f"README synopsis mentions {sorted(mentioned - (known - METHOD_KNOBS))}"
-    conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
-    for knob in METHOD_KNOBS - {"--taper-stages"}:  # the manual names each knob (the stages: its study)
-        assert f"`{knob[2:].replace('-', '_')}`" in conversion, knob
+    assert mentioned <= known, f"README synopsis mentions unknown options {sorted(mentioned - known)}"
 
 
 # Every command example in the README, the docs/ pages and the recipes' comments, checked against the commands' own
@@ -472,6 +567,8 @@ def test_every_command_example_in_the_docs_matches_its_help():
             by_name = {o: p for p in params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
             words = [w.strip("[]") for w in args]
             for i, word in enumerate(words):
+                if command is convert_main and i and words[i - 1] == "--set" and re.fullmatch(r"[a-z_]+=[\w.-]+", word):
+                    method_from([word])  # a literal knob setting (not KNOB=VALUE) must be a valid one
                 for option in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", word):
                     assert option in by_name, f"{where}: `{part.strip()}` uses {option}, which is not an option"
                 name, _, value = word.partition("=")

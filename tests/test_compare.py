@@ -58,7 +58,8 @@ def test_spec_errors_are_listed(tmp_path):
     text = str(err.value)
     for needle in ("splits[0]: N=1 ends inside the warmup", "splits[1]: the decay of 4+1 would begin",
                    "splits[2]: split 'nope'", "arms: unknown arm 'best'", "shapes.tapered: use another name",
-                   "shapes.y.schedule: unknown 'zigzag'", "convert.speed: unknown", "decay_fraction: must be in"):
+                   "shapes.y.schedule: unknown 'zigzag'", "convert.speed: neither a tlm-convert option nor a method knob",
+                   "decay_fraction: must be in"):
         assert needle in text, text
     path = tmp_path / "c.yaml"
     path.write_text("base: missing.yaml\noutput_dir: x\nsplits: 90+60\nseeds: [a]\n")

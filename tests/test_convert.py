@@ -12,13 +12,15 @@ from transformers import AutoModelForCausalLM
 import tlm
 from tlm_convert import convert as convert_module
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
 from tlm_convert.importance import ActivationStats, StopForward, activation_stats
+from tlm_convert.options import ConvertOptions, Method
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
 from tlm_convert.upcycle import upcycle
 from tlm_io.checkpoint import load_source
 
-OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
+OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4,
+            method=Method(multiple_of=1))
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,7 @@ def test_refit_lowers_the_layer_reconstruction_error(tmp_path, tokenizer):
         reference = tlm.TLMForCausalLM(src.tlm_config).eval()
         reference.load_state_dict(src.state_dict)
         convert_layers(model.model, ModelLayers(model), blocks, [72, 60, 36, 24],
-                       LayerSettings(refit=refit, batch_size=8))
+                       LayerSettings(Method(importance="activation", refit_target="local", refit=refit), 8, 0))
         errors[refit] = float((_logits(model, blocks[:8]) - _logits(reference, blocks[:8])).pow(2).mean())
     assert errors[True] < errors[False]
 
@@ -223,7 +225,7 @@ def test_carried_activations_match_the_converted_model(family, importance, grow_
     blocks = torch.tensor(tokenizer(DATA.read_text())["input_ids"][: 8 * 32]).view(8, 32)
     model = tlm.TLMForCausalLM(src.tlm_config).eval()
     model.load_state_dict(src.state_dict)
-    settings = LayerSettings(importance=importance, grow_init=grow_init, refit_target=refit_target, batch_size=4)
+    settings = LayerSettings(Method(importance=importance, grow_init=grow_init, refit_target=refit_target), 4, 0)
     result = convert_layers(model.model, ModelLayers(model), blocks, [72, 60, 36, 24], settings)
     assert [p.width for p in result.plans] == [72, 60, 36, 24]
     assert [len(s) for s in result.scores] == [WIDTH] * 4  # scores of the source neurons, grown layers too
@@ -294,16 +296,16 @@ def test_importance_default_depends_on_the_policy():
     in_memory, low = ConvertOptions(), ConvertOptions(low_memory=True)
     in_memory.validate()
     low.validate()
-    assert (in_memory.importance, low.importance) == ("fisher", None)
-    assert resolve_importance(low, 1536) == [] and low.importance == "obs"  # SmolLM2's MLP: 94 MB of matrices
+    assert (in_memory.method.importance, low.method.importance) == ("fisher", "auto")
+    assert resolve_importance(low, 1536) == [] and low.method.importance == "obs"  # SmolLM2's MLP: 94 MB of matrices
     wide = ConvertOptions(low_memory=True)
     wide.validate()
     notes = resolve_importance(wide, 11008)  # a 7B Llama's MLP: 4.5 GiB
-    assert wide.importance == "activation" and "obs needs 4.5 GiB" in notes[0]
+    assert wide.method.importance == "activation" and "obs needs 4.5 GiB" in notes[0]
     assert not LOW_MEMORY.obs_fits(11008) and LOW_MEMORY.obs_fits(1536)
-    chosen = ConvertOptions(importance="wanda_sp", low_memory=True)
+    chosen = ConvertOptions(method=Method(importance="wanda_sp"), low_memory=True)
     chosen.validate()
-    assert chosen.importance == "wanda_sp"
+    assert chosen.method.importance == "wanda_sp"
 
 
 def test_obs_prune_matches_the_textbook_updates():
@@ -346,9 +348,9 @@ def test_a_tapered_tlm_is_retapered_around_its_mean_width(tmp_path, tokenizer):
 
 
 def test_fisher_draws_reach_the_pre_pass_and_bad_values_are_one_line_errors():
-    assert ConvertOptions(fisher_draws=2).layer_settings().fisher_draws == 2
-    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws must be a positive integer$"):
-        ConvertOptions(fisher_draws=0).validate()
-    with pytest.raises(convert_module.ConversionError, match=r"^--fisher-draws 2 needs the Fisher pre-pass: "):
-        ConvertOptions(fisher_draws=2, importance="obs").validate()
-    ConvertOptions(fisher_draws=2, importance="obs", schedule="measured-taper").validate()  # its widths: Fisher
+    assert convert_module.layer_settings(ConvertOptions(method=Method(fisher_draws=2))).method.fisher_draws == 2
+    with pytest.raises(convert_module.ConversionError, match=r"^--set fisher_draws=0: must be an integer >= 1$"):
+        ConvertOptions(method=Method(fisher_draws=0)).validate()
+    with pytest.raises(convert_module.ConversionError, match=r"^--set fisher_draws=2 needs the Fisher pass: "):
+        ConvertOptions(method=Method(fisher_draws=2, importance="obs")).validate()
+    ConvertOptions(method=Method(fisher_draws=2, importance="obs"), schedule="measured-taper").validate()  # Fisher

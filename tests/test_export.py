@@ -249,7 +249,7 @@ def test_deci_refuses_widths_off_256(tmp_path):
                       num_key_value_heads=2)
     plain = _tlm(tlm_config_from_hf(cfg, intermediate_sizes=[512, 256, 300]))
     text = _refused(plain, "deci", _source(cfg), r"export 'deci' needs MLP widths that are multiples of 256 "
-                    r"\(layer 2 has 300\); re-run with --multiple-of 256 or use --export tlm", tmp_path)
+                    r"\(layer 2 has 300\); convert with --set multiple_of=256 or use --export tlm", tmp_path)
     assert text.endswith("use --export tlm")
 
 

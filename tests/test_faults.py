@@ -36,7 +36,7 @@ from tlm_cli.main import tlm_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "256", "--seq-len", "64", "--batch-size", "4",
-        "--multiple-of", "1", "--importance", "activation"]
+        "--set", "multiple_of=1", "--set", "importance=activation"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
 

@@ -1,4 +1,4 @@
-"""``--importance fisher``: the hooks' mask-gradient Fisher equals the Fisher of an explicit mask parameter, and a
+"""Importance ``fisher``: the hooks' mask-gradient Fisher equals the Fisher of an explicit mask parameter, and a
 conversion ranked by it keeps the parameter count, reloads strictly and is refused under --low-memory;
 ``--schedule measured``: widths from the Fisher removal-cost profile at the same parameter count."""
 
@@ -9,12 +9,13 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 from conftest import make_model
 from tlm_convert.calibrate import LayerSettings, first_ranked_layer
 from tlm_convert.compensate import obs_prune
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
 from tlm_convert import convert as convert_module
 from tlm_convert import fisher
 from tlm_convert.fisher import fisher_scores, top_share_profile
 from tlm import measured_widths, taper_widths
 from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
+from tlm_convert.options import Method, options_from
 from tlm_io.errors import ConversionError
 
 
@@ -150,12 +151,13 @@ def test_first_layer_stops_the_backward_there_and_scores_as_a_full_pass():
 
 def test_first_ranked_layer_skips_the_leading_growing_layers_unless_their_scores_are_used():
     source = [8, 8, 8, 8]
-    settings = LayerSettings(importance="fisher", scores_needed=False)
+    settings = LayerSettings(Method(importance="fisher"), 8, 0, scores_needed=False)
     assert first_ranked_layer(source, [12, 10, 6, 4], settings) == 2  # cosine: layers 0-1 grow, keep every neuron
     assert first_ranked_layer(source, [12, 8, 8, 4], settings) == 1  # a kept width is still ranked (its order)
     assert first_ranked_layer(source, [4, 12, 12, 4], settings) == 0  # shrinking first
-    assert first_ranked_layer(source, [12, 10, 6, 4], LayerSettings(grow_init="split", scores_needed=False)) == 0
-    assert first_ranked_layer(source, [12, 10, 6, 4], LayerSettings(scores_needed=True)) == 0  # a scored mixer
+    split = LayerSettings(Method(grow_init="split"), 8, 0, scores_needed=False)
+    assert first_ranked_layer(source, [12, 10, 6, 4], split) == 0
+    assert first_ranked_layer(source, [12, 10, 6, 4], LayerSettings(Method(), 8, 0, scores_needed=True)) == 0  # mixer
 
 
 def test_the_backward_batch_follows_the_memory_budget(monkeypatch):
@@ -204,8 +206,9 @@ def test_sensitivity_is_fisher_per_unit_of_output_energy():
 @pytest.mark.parametrize("importance", ["fisher", "fisher_obs"])
 def test_fisher_conversion_keeps_the_parameter_count_and_is_refused_low_memory(importance, tmp_path):
     src = make_source(tmp_path / "src", "llama", tokenizer=tiny_tokenizer())
-    opts = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
-    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(importance=importance, **opts))
+    opts = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1,
+                importance=importance)
+    report = convert(str(src), str(tmp_path / "out"), options_from(**opts))
     assert report["importance"] == importance and report["params_after"] == report["params_before"]
     assert report["widths_after"] != report["widths_before"] and "rank" in report["seconds"]
     grows = [a > b for a, b in zip(report["widths_after"], report["widths_before"])]
@@ -213,7 +216,7 @@ def test_fisher_conversion_keeps_the_parameter_count_and_is_refused_low_memory(i
     assert first > 0 and all(p is None for p in report["importance_profile"][:first])
     assert all(p > 0 for p in report["importance_profile"][first:])
     with pytest.raises(ConversionError, match="drop --low-memory"):
-        ConvertOptions(importance=importance, low_memory=True, **opts).validate()
+        options_from(low_memory=True, **opts).validate()
 
 
 def test_top_share_profile_counts_each_layers_neurons_in_the_global_top_half():
@@ -233,7 +236,7 @@ def test_measured_schedule_widths_keep_the_parameter_count_and_are_deterministic
     monkeypatch.setattr(convert_module, "fisher_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     import tlm_convert.calibrate as calibrate_module
     monkeypatch.setattr(calibrate_module, "fisher_scores", lambda *a, **k: calls.append(2) or real(*a, **k))
-    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(**opts))
+    report = convert(str(src), str(tmp_path / "out"), options_from(**opts))
     assert calls == [1]  # one Fisher pass: the measurement's scores rank the neurons too
     widths, profile = report["widths_after"], report["measured_profile"]
     base = report["widths_before"][0]
@@ -246,7 +249,7 @@ def test_measured_schedule_widths_keep_the_parameter_count_and_are_deterministic
         assert all(a >= b for a, b in zip(widths, widths[1:]))
     text = (tmp_path / "out" / "report.md").read_text()
     assert "cosine (reference)" in text and "Fisher removal cost" in text
-    again = convert(str(src), str(tmp_path / "again"), ConvertOptions(**opts))
+    again = convert(str(src), str(tmp_path / "again"), options_from(**opts))
     assert again["widths_after"] == widths and again["measured_profile"] == profile  # deterministic
     with pytest.raises(ConversionError, match="drop --low-memory"):
-        ConvertOptions(**{**opts, "importance": "obs", "low_memory": True}).validate()
+        options_from(**{**opts, "importance": "obs", "low_memory": True}).validate()

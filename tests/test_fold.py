@@ -3,7 +3,6 @@ lowest-scored. Exact on neurons that come in duplicates, the drop's widths, para
 itself with no k-means iteration, deterministic, and its knob's bad values are one-line errors."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -12,16 +11,16 @@ from transformers import AutoModelForCausalLM
 
 import tlm
 from tlm.mlp import GatedMLP, PlainMLP
-from tlm_convert import convert as convert_module
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
 from tlm_convert.convert import ConvertOptions, convert
 from tlm_convert.fold import fold_merge
+from tlm_convert.options import method_from
 from tlm_convert.surgery import LayerPlan, plan_from_scores, resize_layer
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
 
 WIDTHS = [72, 60, 36, 24]  # tiny_sources' 48-wide layers at cosine 1.5/0.5
-OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4, multiple_of=1)
+OPTS = dict(calibration_data=str(DATA), calibration_tokens=1024, seq_len=64, batch_size=4)
 PREFIX = "model.layers.0.mlp."
 
 
@@ -101,23 +100,18 @@ def test_a_fold_to_more_clusters_than_distinct_neurons_splits_copies_and_stays_e
         torch.testing.assert_close(folded(fresh), mlp(fresh), atol=1e-5, rtol=1e-5)
 
 
-def _convert(tmp_path, name, src, monkeypatch, **settings):
-    """convert() with LayerSettings fields the options do not carry (as tlm-convert's --set will)."""
-    layer_settings = ConvertOptions.layer_settings
-    monkeypatch.setattr(ConvertOptions, "layer_settings",
-                        lambda self: dataclasses.replace(layer_settings(self), **settings))
-    try:
-        return convert(str(src), str(tmp_path / name), ConvertOptions(eval_data=str(DATA), eval_tokens=512,
-                                                                      low_memory=src.name == "gpt2", **OPTS))
-    finally:
-        monkeypatch.setattr(ConvertOptions, "layer_settings", layer_settings)
+def _convert(tmp_path, name, src, **knobs):
+    """convert() with method knobs set (as tlm-convert's --set sets them)."""
+    return convert(str(src), str(tmp_path / name), ConvertOptions(eval_data=str(DATA), eval_tokens=512,
+                                                                  low_memory=src.name == "gpt2",
+                                                                  method=method_from({"multiple_of": 1, **knobs}), **OPTS))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: ungated with biases, and streamed (low memory)
-def test_a_fold_conversion_has_the_drops_widths_parameters_and_exports(family, tmp_path, tokenizer, monkeypatch):
+def test_a_fold_conversion_has_the_drops_widths_parameters_and_exports(family, tmp_path, tokenizer):
     src = make_source(tmp_path / family, family, tokenizer=tokenizer)
-    drop = _convert(tmp_path, "drop", src, monkeypatch)
-    fold = _convert(tmp_path, "fold", src, monkeypatch, shrink="fold")
+    drop = _convert(tmp_path, "drop", src)
+    fold = _convert(tmp_path, "fold", src, shrink="fold")
     assert fold["widths_after"] == drop["widths_after"] == WIDTHS
     assert fold["params_after"] == drop["params_after"] == drop["params_before"]
     tensors = {}
@@ -142,7 +136,7 @@ def _tiny(tmp_path, tokenizer, family="llama"):
 def _converted(src, blocks, **settings):
     model = tlm.TLMForCausalLM(copy.deepcopy(src.tlm_config)).eval()
     model.load_state_dict(src.state_dict)
-    result = convert_layers(model.model, ModelLayers(model), blocks, WIDTHS, LayerSettings(batch_size=4, **settings))
+    result = convert_layers(model.model, ModelLayers(model), blocks, WIDTHS, LayerSettings(method_from({"importance": "activation", **settings}), 4, 0))
     model.config.intermediate_sizes = list(WIDTHS)
     return model, result
 
@@ -178,18 +172,13 @@ def test_a_fold_carries_the_converted_models_activations_and_is_deterministic(fa
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("shrink", "squash", "shrink 'squash': expected one of drop, fold"),
-    ("fold_iters", -1, "fold_iters -1: expected 0 or a positive integer"),
-    ("fold_iters", 2.5, "fold_iters 2.5: expected 0 or a positive integer"),
+@pytest.mark.parametrize("knob, message", [
+    ("shrink=squash", "--set shrink: expected one of drop, fold, got 'squash'"),
+    ("fold_iters=-1", "--set fold_iters=-1: must be an integer >= 0"),
+    ("fold_iters=2.5", "--set fold_iters: expected an integer, got 2.5"),
 ])
-def test_bad_fold_settings_are_one_line_errors(field, value, message, tmp_path, tokenizer):
-    with pytest.raises(ConversionError, match=f"^{message}$"):
-        LayerSettings(**{field: value})
-    settings = LayerSettings()
-    setattr(settings, field, value)  # as a --set does after construction: refused before a token runs
-    src, blocks = _tiny(tmp_path, tokenizer)
-    model = tlm.TLMForCausalLM(src.tlm_config).eval()
-    with pytest.raises(ConversionError, match=f"^{message}$"):
-        convert_layers(model.model, ModelLayers(model), None, WIDTHS, settings)
-    assert convert_module.ConvertOptions().layer_settings().shrink == "drop"
+def test_bad_fold_settings_are_one_line_errors(knob, message):
+    with pytest.raises(ConversionError) as err:
+        method_from([knob])
+    assert str(err.value) == message and "\n" not in message
+    assert method_from([]).shrink == "drop"

@@ -15,7 +15,8 @@ import importlib.util
 import pytest
 import torch
 
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
+from tlm_convert.options import ConvertOptions
 from tlm_io.load import load_model
 from tlm_io.locate import resolve_builtin
 

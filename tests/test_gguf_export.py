@@ -318,12 +318,13 @@ def test_tlm_export_cli(tiny, tmp_path):
 def test_tlm_convert_export_gguf(tmp_path):
     """`tlm-convert SRC -o OUT --export gguf`: the converted widths, exactly, in OUT/model.gguf."""
     from tiny_sources import DATA
-    from tlm_convert.convert import ConvertOptions, convert
+    from tlm_convert.convert import convert
+    from tlm_convert.options import ConvertOptions, Method
 
     src = make_source(tmp_path / "src")
     report = convert(str(src), str(tmp_path / "out"),
                      ConvertOptions(export="gguf", calibration_data=str(DATA), calibration_tokens=1024, seq_len=64,
-                                    batch_size=4, multiple_of=1))
+                                    batch_size=4, method=Method(multiple_of=1)))
     fields = _fields(gguf.GGUFReader(tmp_path / "out" / "model.gguf"))
     assert fields["deci.feed_forward_length"] == report["widths_after"] and len(set(report["widths_after"])) > 1
 

@@ -195,8 +195,9 @@ def test_gptq_protocol_equals_a_hand_computation(tmp_path):
 
 def test_convert_reports_source_converted_and_healed_accuracy(source, tmp_path):
     from tlm_convert.convert import ConvertOptions, convert
+    from tlm_convert.options import Method
 
-    opts = ConvertOptions(calibration_data="default", calibration_tokens=1024, seq_len=32, multiple_of=1,
+    opts = ConvertOptions(calibration_data="default", calibration_tokens=1024, seq_len=32, method=Method(multiple_of=1),
                           heal_tokens=128, eval_tasks="winogrande", eval_data="eval-fiction", eval_tokens=512)
     report = convert(str(source), str(tmp_path / "out"), opts)
     entry = report["accuracy"]

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_cli.convert import convert_main
 from tlm_convert import heal as heal_module
-from tlm_convert.convert import ConvertOptions, convert, stage_ratio
+from tlm_convert.convert import convert, stage_ratio
+from tlm_convert.options import Ratio, options_from
 from tlm_io.load import load_model
 from tlm_io.text import token_blocks
 from tlm_train.build import select_trainable, weight_rms
@@ -29,7 +31,7 @@ from tlm_train.trainer import distill_loss, train
 ROOT = Path(__file__).resolve().parents[1]
 # a lossy conversion of the tiny source (no refit, a steep taper), so that distillation has something to recover
 FAST = ["--calibration-data", str(DATA), "--calibration-tokens", "256", "--seq-len", "64", "--batch-size", "4",
-        "--multiple-of", "1", "--importance", "activation", "--no-refit", "--ratio", "1.8/0.2"]
+        "--set", "multiple_of=1", "--set", "importance=activation", "--set", "refit=false", "--ratio", "1.8/0.2"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
 
@@ -110,8 +112,8 @@ def test_heal_lowers_the_distillation_loss_and_reports_three_perplexities(source
 
 
 def test_zero_heal_tokens_is_exactly_the_plain_conversion(source, tmp_path):
-    a = convert(str(source), str(tmp_path / "a"), ConvertOptions(**_options()))
-    b = convert(str(source), str(tmp_path / "b"), ConvertOptions(**_options(), heal_tokens=0))
+    a = convert(str(source), str(tmp_path / "a"), options_from(**_options()))
+    b = convert(str(source), str(tmp_path / "b"), options_from(**_options(), heal_tokens=0))
     da, db = _digest(tmp_path / "a"), _digest(tmp_path / "b")
     assert da.pop("conversion_report.json") and db.pop("conversion_report.json")
     da.pop("report.md"), db.pop("report.md")  # they differ in the seconds only
@@ -125,8 +127,8 @@ def test_the_heal_in_memory_trains_what_the_heal_through_the_disk_trained(source
     That path trains the same tensors (max |diff| 0): both start from the same fp32 weights and buffers and see the
     same batches, and nothing the trainer computes depends on where a module came from."""
     plain, healed = tmp_path / "plain", tmp_path / "healed"
-    convert(str(source), str(plain), ConvertOptions(**_options()))
-    convert(str(source), str(healed), ConvertOptions(**_options(), heal_tokens=1024))
+    convert(str(source), str(plain), options_from(**_options()))
+    convert(str(source), str(healed), options_from(**_options(), heal_tokens=1024))
     recipe = heal_module.heal_recipe(str(plain), str(source), str(DATA), 1024, str(tmp_path / "disk"), 64,
                                      cache_dir=str(tmp_path / "tokens"))
     through_disk = load_file(Path(train(recipe).final_dir) / "model.safetensors")
@@ -143,7 +145,7 @@ def test_a_healed_conversion_is_written_as_the_plain_one_is(source, tmp_path):
     """The heal changes the weights only: the healed model is written in --dtype with the plain conversion's
     config (the trainer's training-time settings, such as use_cache off, stay out of it)."""
     for name, tokens in (("plain", 0), ("healed", 256)):
-        convert(str(source), str(tmp_path / name), ConvertOptions(**_options(), dtype="bfloat16", heal_tokens=tokens))
+        convert(str(source), str(tmp_path / name), options_from(**_options(), dtype="bfloat16", heal_tokens=tokens))
     configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("plain", "healed")]
     assert configs[0] == configs[1] and configs[1]["use_cache"] is True
     weights = load_file(tmp_path / "healed" / "model.safetensors")
@@ -159,9 +161,9 @@ def _options() -> dict:
     (["--heal-tokens", "-5"], "must be 0 (no heal) or a positive"),
     (["--heal-tokens", "100"], "less than one training step (256 tokens"),
     (["--heal-tokens", "1024", "--low-memory"], "drop --low-memory"),
-    (["--taper-stages", "0"], "--taper-stages 0: must be 1 (one-shot conversion) or more"),
-    (["--taper-stages", "3", "--heal-tokens", "512"], "pass --heal-tokens 768 or more"),
-    (["--taper-stages", "2", "--heal-tokens", "1024", "--schedule", "measured-taper"], "measures its widths"),
+    (["--set", "taper_stages=0"], "taper_stages=0: must be an integer >= 1"),
+    (["--set", "taper_stages=3", "--heal-tokens", "512"], "pass --heal-tokens 768 or more"),
+    (["--set", "taper_stages=2", "--heal-tokens", "1024", "--schedule", "measured-taper"], "measures its widths"),
 ])
 def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
     res = _convert([source, "-o", tmp_path / "out", *FAST, *args])
@@ -172,16 +174,16 @@ def test_bad_heal_values_are_one_line(source, tmp_path, args, words):
 
 
 def test_stage_ratios_move_every_multiplier_from_one():
-    assert [stage_ratio("1.5/0.5", k, 3) for k in (1, 2, 3)] == ["1.1666666666666667/0.8333333333333334",
-                                                                 "1.3333333333333333/0.6666666666666667", "1.5/0.5"]
-    assert stage_ratio("1.5/1/0.5", 1, 2) == "1.25/1.0/0.75"
+    ratios = [str(stage_ratio(Ratio.parse("1.5/0.5"), k, 3)) for k in (1, 2, 3)]
+    assert ratios == ["1.1666666666666667/0.8333333333333334", "1.3333333333333333/0.6666666666666667", "1.5/0.5"]
+    assert str(stage_ratio(Ratio.parse("1.5/1/0.5"), 1, 2)) == "1.25/1/0.75"
 
 
 def test_a_staged_conversion_ends_at_the_one_shot_widths_healed_from_the_source(source, tmp_path):
     once, staged = tmp_path / "once", tmp_path / "staged"
     evals = ["--eval-data", DATA, "--eval-tokens", 512]
     assert _convert([source, "-o", once, *FAST, *evals]).exit_code == 0
-    res = _convert([source, "-o", staged, *FAST, *evals, "--taper-stages", 2, "--heal-tokens", 1024])
+    res = _convert([source, "-o", staged, *FAST, *evals, "--set", "taper_stages=2", "--heal-tokens", 1024])
     assert res.exit_code == 0, res.output
     a, b = (json.loads((f / "conversion_report.json").read_text()) for f in (once, staged))
     assert b["widths_after"] == a["widths_after"] and b["params_after"] == a["params_after"] == a["params_before"]
@@ -189,12 +191,17 @@ def test_a_staged_conversion_ends_at_the_one_shot_widths_healed_from_the_source(
     assert [(s["stage"], s["ratio"], s["heal_tokens"]) for s in b["taper_stages"]] == [(1, "1.4/0.6", 512),
                                                                                       (2, "1.8/0.2", 512)]
     assert b["taper_stages"][0]["widths_after"] not in (a["widths_before"], a["widths_after"])  # halfway
-    assert b["heal"]["tokens"] == 512 and b["options"]["taper_stages"] == 2 and b["options"]["heal_tokens"] == 1024
+    assert b["heal"]["tokens"] == 512 and b["options"]["method"]["taper_stages"] == 2
+    assert b["options"]["heal_tokens"] == 1024
     before = [s["before"] for s in a["perplexity_sets"]]
     assert [s["before"] for s in b["perplexity_sets"]] == before  # evaluated against the source, not stage 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["once", "staged"]  # the stages' folder is gone
     assert "taper stages: 2, ratios 1.4/0.6, 1.8/0.2, 512 heal tokens after each" in res.output
-    assert "reached in 2 stages (--taper-stages)" in (staged / "report.md").read_text()
+    healed = b["perplexity_sets"][0]  # the held-out figure, not the training loss of two batches
+    assert re.search(rf"^heal: 512 tokens of distillation from the source in .*; perplexity on {re.escape(str(DATA))} "
+                     rf"{healed['after']:.3f} converted -> {healed['healed']:.3f} healed$", res.output, re.M), res.output
+    assert "heal: 100%" in res.output.replace("\r", "\n")  # the heal's bar says what it is
+    assert "reached in 2 stages (--set taper_stages)" in (staged / "report.md").read_text()
     load_model(str(staged), with_tokenizer=False)
 
 

@@ -171,9 +171,9 @@ def test_an_empty_output_option_is_named(source, tmp_path):
 
 
 def test_endless_layer_reconstruction_is_refused_with_its_estimate(source, tmp_path):
-    line = _refused(source, tmp_path, "--reconstruct-epochs", "1000000000000")
+    line = _refused(source, tmp_path, "--set", "reconstruct_epochs=1000000000000")
     assert line.startswith("error: layer reconstruction: ") and " epochs, about " in line, line
-    assert "above the --max-hours 24 limit" in line and "lower --reconstruct-epochs" in line, line
+    assert "above the --max-hours 24 limit" in line and "lower --set reconstruct_epochs" in line, line
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

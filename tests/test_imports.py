@@ -12,9 +12,11 @@ PACKAGES = ("tlm", "tlm_io", "tlm_train", "tlm_convert", "tlm_study", "tlm_cli")
 # ``python -m tlm_convert`` / ``torchrun -m tlm_train`` are entry points that only start the CLI floor above their
 # package; nothing imports a __main__ module, so it adds no arrow that another module could follow back down.
 ENTRY_POINTS = ("__main__",)
-# the console entry points check the sizes their inputs declare before importing the commands' modules, which import
-# torch and transformers (seconds): the one place a project import waits inside a function, and only for these
-DEFERRED = {"tlm_cli/launch.py": {"tlm_cli.convert", "tlm_cli.main"}}
+# the only project imports that wait inside a function: the console entry points check the sizes their inputs declare
+# before importing the commands; tlm --help lists the commands without importing tlm_cli.main (torch and
+# transformers: seconds); tlm-convert checks every option and path before importing the conversion
+DEFERRED = {"tlm_cli/launch.py": {"tlm_cli.convert", "tlm_cli.group"}, "tlm_cli/group.py": {"tlm_cli.main"},
+            "tlm_cli/convert.py": {"tlm_convert.convert", "tlm_convert.evalsets", "tlm_convert.accuracy"}}
 # third-party libraries slow to import, imported inside the functions that use them: off every command's import path
 SLOW_LIBRARIES = ("sklearn",)
 

@@ -7,7 +7,7 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 import tlm
 from tlm_convert import calibrate
 from tlm_convert.calibrate import LayerSettings, ModelLayers, convert_layers
-from tlm_convert.convert import ConvertOptions
+from tlm_convert.options import ConvertOptions, Method
 from tlm_convert.reconstruct import reconstruct_mlp, token_weights
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
@@ -35,9 +35,8 @@ def _model(src):
 
 def _convert(src, blocks, **settings):
     model = _model(src)
-    convert_layers(model.model, ModelLayers(model), blocks, WIDTHS,
-                   LayerSettings(importance=settings.pop("importance", "obs"), refit_target="residual", batch_size=8,
-                                 **settings))
+    method = Method(**{"importance": "obs", "refit_target": "residual", **settings})
+    convert_layers(model.model, ModelLayers(model), blocks, WIDTHS, LayerSettings(method, batch_size=8, seed=0))
     return model
 
 
@@ -105,7 +104,7 @@ def test_summed_statistics_give_the_kept_activations_result(settings, source):
     models = []
     for policy in (calibrate.IN_MEMORY, calibrate.MemoryPolicy("summed", keep_activations_bytes=0)):
         model = _model(src)
-        layer_settings = LayerSettings(importance="obs", batch_size=8, **{"refit_target": "residual", **settings})
+        layer_settings = LayerSettings(Method(**{"importance": "obs", "refit_target": "residual", **settings}), 8, 0)
         convert_layers(model.model, ModelLayers(model), blocks, WIDTHS, layer_settings, policy)
         models.append(model)
     for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
@@ -113,7 +112,7 @@ def test_summed_statistics_give_the_kept_activations_result(settings, source):
 
 
 def test_options_refuse_bad_values_in_one_line():
-    with pytest.raises(ConversionError, match="--reconstruct-epochs -1: must be 0 or more"):
-        ConvertOptions(reconstruct_epochs=-1).validate()
-    with pytest.raises(ConversionError, match="--token-weighting 'bogus'"):
-        ConvertOptions(token_weighting="bogus").validate()
+    with pytest.raises(ConversionError, match=r"^--set reconstruct_epochs=-1: must be an integer >= 0$"):
+        ConvertOptions(method=Method(reconstruct_epochs=-1)).validate()
+    with pytest.raises(ConversionError, match=r"^--set token_weighting: expected one of none, sink, inv_norm, got 'bogus'"):
+        ConvertOptions(method=Method(token_weighting="bogus")).validate()

@@ -9,8 +9,9 @@ from click.testing import CliRunner
 from tiny_sources import DATA, make_source, tiny_tokenizer
 
 from tlm_cli.convert import convert_main
-from tlm_convert.convert import DEFAULT_CALIBRATION, SAMPLES_FILE, ConvertOptions, calibration_sources, convert
+from tlm_convert.convert import SAMPLES_FILE, convert
 from tlm_convert.heal import heal_data
+from tlm_convert.options import DEFAULT_CALIBRATION, calibration_sources, options_from
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
@@ -80,7 +81,7 @@ def test_default_sources_and_the_low_memory_refusal():
 
 def test_conversion_calibrated_on_a_blend_keeps_its_samples(source, tokenizer, model, tmp_path):
     report = convert(str(source), str(tmp_path / "out"),
-                     ConvertOptions(calibration_data=(str(DATA), "self"), eval_data=str(DATA), **OPTS))
+                     options_from(calibration_data=(str(DATA), "self"), eval_data=str(DATA), **OPTS))
     assert report["calibration_data"] == [str(DATA), "self"] and report["calibration_tokens"] == 1024
     assert report["calibration_samples"] == {"file": SAMPLES_FILE, "blocks": 8}
     assert report["seconds"]["sample"] > 0
@@ -93,7 +94,7 @@ def test_conversion_calibrated_on_a_blend_keeps_its_samples(source, tokenizer, m
 
 
 def test_cli_blend_and_low_memory_self_refusal(source, tmp_path):
-    common = ["--calibration-tokens", "1024", "--seq-len", "64", "--batch-size", "4", "--multiple-of", "1"]
+    common = ["--calibration-tokens", "1024", "--seq-len", "64", "--batch-size", "4", "--set", "multiple_of=1"]
     res = CliRunner().invoke(convert_main, [str(source), "-o", str(tmp_path / "a"), *common, "--calibration-data",
                                             str(DATA), "--calibration-data", "self"])
     assert res.exit_code == 0, res.output
@@ -121,7 +122,7 @@ def test_a_heal_after_a_blended_calibration_trains_on_the_sources_joined(source,
     import yaml
 
     out = tmp_path / "out"
-    report = convert(str(source), str(out), ConvertOptions(calibration_data=(str(DATA), "self"), heal_tokens=256,
+    report = convert(str(source), str(out), options_from(calibration_data=(str(DATA), "self"), heal_tokens=256,
                                                            **OPTS))
     recipe = yaml.safe_load((out / "heal" / "recipe.yaml").read_text())
     assert Path(recipe["data"]["train"]).name == "heal-data.txt" and report["heal"]["tokens"] == 256

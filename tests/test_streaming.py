@@ -14,7 +14,8 @@ import tlm_convert.convert as convert_module
 from tlm_convert import report
 from tlm_convert.calibrate import IN_MEMORY, LOW_MEMORY
 from tlm_convert.compensate import refit_down_proj, refit_kept
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.options import options_from
+from tlm_convert.convert import convert
 from tlm_convert.importance import ActivationStats
 from tlm_convert.stream import open_stream
 from tlm_io.checkpoint import load_source
@@ -42,7 +43,7 @@ def in_memory(sources, tmp_path_factory):
             out = root / str(len(made))
             with pytest.MonkeyPatch.context() as patch:  # the reference's plot is not under test here (saves time)
                 patch.setattr(report, "write_plot", lambda _report, path: path.write_bytes(b""))
-                made[key] = out, convert(str(sources[family]), str(out), ConvertOptions(**{**OPTS, **extra}))
+                made[key] = out, convert(str(sources[family]), str(out), options_from(**{**OPTS, **extra}))
         return made[key]
 
     return get
@@ -80,9 +81,9 @@ def test_policies_write_the_same_tensors(policy, family, extra, sources, in_memo
     full_dir, full = in_memory(family, extra)
     monkeypatch.setattr(convert_module, "LOW_MEMORY", POLICIES[policy])
     seen = []
-    low = convert(str(sources[family]), str(tmp_path / "low"), ConvertOptions(low_memory=True, **{**OPTS, **extra}),
-                  on_layer=seen.append)
-    assert seen == [0, 1, 2, 3]
+    low = convert(str(sources[family]), str(tmp_path / "low"), options_from(low_memory=True, **{**OPTS, **extra}),
+                  on_layer=lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
     assert low["widths_after"] == full["widths_after"] == [72, 60, 36, 24]
     assert low["params_before"] == full["params_before"]
     assert low["params_after"] == full["params_after"]
@@ -119,16 +120,16 @@ def test_policies_write_the_same_tensors(policy, family, extra, sources, in_memo
 
 def test_obs_beyond_the_budget_is_refused_or_not_the_default(sources, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "LOW_MEMORY", replace(LOW_MEMORY, obs_budget_bytes=1000))
-    with pytest.raises(ConversionError, match="--importance obs needs about .* use --importance activation"):
+    with pytest.raises(ConversionError, match="--set importance=obs needs about .* use --set importance=activation"):
         convert(str(sources["llama"]), str(tmp_path / "out"),
-                ConvertOptions(low_memory=True, **{**OPTS, "importance": "obs"}))
+                options_from(low_memory=True, **{**OPTS, "importance": "obs"}))
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
-    low = convert(str(sources["llama"]), str(tmp_path / "out"), ConvertOptions(low_memory=True, **{**OPTS,
-                                                                                                   "importance": None}))
+    low = convert(str(sources["llama"]), str(tmp_path / "out"), options_from(low_memory=True, **{**OPTS,
+                                                                                                   "importance": "auto"}))
     assert low["importance"] == "activation" and any("obs needs" in n for n in low["notes"])
     monkeypatch.undo()
-    low = convert(str(sources["llama"]), str(tmp_path / "fits"), ConvertOptions(low_memory=True, **{**OPTS,
-                                                                                                    "importance": None}))
+    low = convert(str(sources["llama"]), str(tmp_path / "fits"), options_from(low_memory=True, **{**OPTS,
+                                                                                                    "importance": "auto"}))
     assert low["importance"] == "obs"
 
 
@@ -140,7 +141,7 @@ def test_obs_beyond_the_budget_is_refused_or_not_the_default(sources, tmp_path, 
 ])
 def test_unsupported_options_are_refused(change, message, sources, tmp_path):
     with pytest.raises(ConversionError, match=message):
-        convert(str(sources["llama"]), str(tmp_path / "out"), ConvertOptions(low_memory=True, **{**OPTS, **change}))
+        convert(str(sources["llama"]), str(tmp_path / "out"), options_from(low_memory=True, **{**OPTS, **change}))
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
 
 
@@ -175,7 +176,7 @@ def test_streamed_sources_read_the_loaded_tensors(sources, tmp_path):
 def test_a_bin_checkpoint_streams_to_the_in_memory_tensors(sources, in_memory, tmp_path):
     full_dir, _ = in_memory("llama", {})
     convert(str(_bin_copy(sources["llama"], tmp_path / "bin")), str(tmp_path / "low"),
-            ConvertOptions(low_memory=True, **OPTS))
+            options_from(low_memory=True, **OPTS))
     a, b = _tensors(full_dir), _tensors(tmp_path / "low")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -183,7 +184,7 @@ def test_a_bin_checkpoint_streams_to_the_in_memory_tensors(sources, in_memory, t
 def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    opts = ConvertOptions(low_memory=True, **OPTS)
+    opts = options_from(low_memory=True, **OPTS)
     for source, message in ((gguf, "cannot be read as GGUF"), ("someorg/somemodel", "not a local folder")):
         with pytest.raises(ConversionError, match=message):
             convert(str(source), str(tmp_path / "out"), opts)
@@ -194,11 +195,11 @@ def test_output_is_atomic_when_a_layer_fails(sources, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("old output")
 
-    def fail(layer):
-        if layer == 1:
+    def fail(done, total):
+        if done == 2:
             raise RuntimeError("boom")
 
-    opts = ConvertOptions(low_memory=True, overwrite=True, **OPTS)
+    opts = options_from(low_memory=True, overwrite=True, **OPTS)
     with pytest.raises(RuntimeError, match="boom"):
         convert(str(sources["llama"]), str(tmp_path / "out"), opts, on_layer=fail)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]  # the old output is untouched

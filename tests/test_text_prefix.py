@@ -11,7 +11,8 @@ from tiny_sources import DATA, make_source, tiny_tokenizer
 from conftest import make_model
 from test_token_pipeline import record_batches
 from test_train import tiny_recipe
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
+from tlm_convert.options import ConvertOptions, Method
 from tlm_convert.samples import calibration_blocks, sample_blocks, samples_text
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
@@ -110,7 +111,7 @@ def test_a_conversion_says_what_its_blocks_begin_with(bos_source, tmp_path):
     out = tmp_path / "out"
     report = convert(str(bos_source), str(out), ConvertOptions(calibration_data=(str(DATA),), eval_data=str(DATA),
                                                                calibration_tokens=1024, seq_len=64, batch_size=4,
-                                                               multiple_of=1))
+                                                               method=Method(multiple_of=1)))
     assert report["block_prefix"] == [BOS] and report["calibration_tokens"] == 1024
     assert "each beginning with the tokenizer's start of text (ids [1])" in (out / "report.md").read_text()
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArg
 from tiny_sources import DATA, make_source
 from tlm import TLMForCausalLM
 from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.options import Method
 from tlm_io.archs import family_of, tlm_config_from_hf
 from tlm_io.checkpoint import Source
 from tlm_io.export import deci_width, export_model
@@ -30,7 +31,7 @@ def converted(tmp_path_factory) -> Path:
     """A tiny Llama converted by tlm-convert (cosine 1.5/0.5) into a ``tlm`` folder."""
     root = tmp_path_factory.mktemp("user_tools")
     src = make_source(root / "src", "llama", seed=5)
-    opts = ConvertOptions(calibration_data="default", calibration_tokens=1024, seq_len=32, multiple_of=1)
+    opts = ConvertOptions(calibration_data="default", calibration_tokens=1024, seq_len=32, method=Method(multiple_of=1))
     convert(str(src), str(root / "tlm"), opts)
     return root / "tlm"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
@@ -20,6 +21,17 @@ DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error 
 def fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def say(line: str) -> None:
+    """One line on stderr, above any progress bar on screen (tqdm.write) rather than glued to its end."""
+    if "tqdm" in sys.modules:  # a bar may be on screen only when tqdm was imported
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
+        sys.stderr.flush()  # in order with what click.echo writes (and flushes)
+    else:
+        click.echo(line, err=True)
 
 
 def _message(err: BaseException) -> str:
@@ -75,7 +87,7 @@ def stop_on_sigterm():
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as one ``warning:`` line on stderr (no source line)."""
-    click.echo(f"warning: {one_line(message)}", err=True)
+    say(f"warning: {one_line(message)}")
 
 
 def quiet_libraries() -> None:
@@ -94,13 +106,19 @@ def check_positive(**values: int) -> None:
 
 
 def check_device(device: str) -> None:
-    """A clear error for a device string torch does not know or a device this machine does not have."""
+    """A clear error for a device string torch does not know or a device this machine does not have (torch is
+    imported for any device but the CPU)."""
+    if device == "cpu":
+        return
+    unknown = f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N"
+    if not re.fullmatch(r"[a-z_]+(:\d+)?", device):
+        raise ConversionError(unknown)
     import torch
 
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise ConversionError(f"option --device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        raise ConversionError(unknown) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConversionError(f"option --device {device}: CUDA is not available (this torch build or machine "
@@ -143,4 +161,4 @@ class OneLineCommand(click.Command):
 
 
 __all__ = ["DEBUG_ENV", "OneLineCommand", "STOPPED_EXIT", "check_device", "check_positive", "fail", "quiet_libraries",
-           "report_failure", "stop_on_sigterm"]
+           "report_failure", "say", "stop_on_sigterm"]

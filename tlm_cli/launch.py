@@ -73,7 +73,7 @@ def preflight(args: list[str]) -> None:
 def convert_main() -> None:
     """``tlm-convert``."""
     preflight(sys.argv[1:])
-    from .convert import convert_main as command  # the heavy imports, once the sizes have passed
+    from .convert import convert_main as command  # once the sizes have passed
 
     command()
 
@@ -81,7 +81,7 @@ def convert_main() -> None:
 def tlm_main() -> None:
     """``tlm``."""
     preflight(sys.argv[2:])  # after the subcommand's name
-    from .main import tlm_main as group
+    from .group import tlm_group as group  # lists the commands without importing them
 
     group()
 

@@ -23,8 +23,8 @@ Per layer l, after z = mix(h) for every batch:
 * a layer that keeps its width (or grows by ``split``, which copies the top-scored neurons) runs its MLP with
   the hook, then is resized and run again.
 
-Options measured for out-of-domain quality (tlm_convert.reconstruct, bench/RESULTS.md): per-token weights of the
-refit (``token_weighting``) and a few epochs of Adam on each pruned MLP after its refit (``reconstruct_epochs``).
+Two knobs change the refit (tlm_convert.reconstruct): per-token weights (``token_weighting``) and epochs of Adam on
+each pruned MLP after it (``reconstruct_epochs``).
 
 The cost is one forward pass over the calibration tokens, the refit's products, the resized MLPs of the summing
 shrinking (and split) layers once more, and with ``refit_target="residual"`` the source model's layers from the second
@@ -46,16 +46,16 @@ from torch.nn import functional as F
 
 from tlm_io.errors import ConversionError
 
-from .compensate import DAMP, obs_prune, refit_down_proj, refit_kept
+from .compensate import obs_prune, refit_down_proj, refit_kept
 from .fisher import fisher_scores
-from .fold import FOLD_ITERS, check_shrink, fold_merge
+from .fold import fold_merge
 from .importance import OBS_METRICS, WHOLE_MODEL, StopForward, activation_stats, add_gram, neuron_scores, sensitivity
+from .options import Method
 from .reconstruct import reconstruct_mlp, token_weights
 from .surgery import LayerPlan, plan_from_scores, resize_layer
 
 logger = logging.getLogger(__name__)
 
-NOISE_SCALE = 1e-2  # new neurons' output columns, relative to the RMS of the layer's columns (surgery.resize_layer)
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ class MemoryPolicy:
         """ConversionError when OBS's I × I matrices for an MLP of ``width`` neurons exceed the budget."""
         need = self.obs_bytes(width)
         if not self.obs_fits(width):
-            raise ConversionError(f"--importance obs needs about {need / 2**30:.1f} GiB for its {width} x {width} "
-                                  f"matrices, above the {self.name.replace('_', '-')} budget of "
-                                  f"{self.obs_budget_bytes / 2**30:.1f} GiB; use --importance activation, or drop "
+            raise ConversionError(f"--set importance=obs needs about {need / 2**30:.1f} GiB for its {width} x "
+                                  f"{width} matrices, above the {self.name.replace('_', '-')} budget of "
+                                  f"{self.obs_budget_bytes / 2**30:.1f} GiB; use --set importance=activation, or drop "
                                   "--low-memory")
 
 
@@ -141,9 +141,10 @@ class ModelLayers:
 
 @dataclass
 class LayerSettings:
-    """The options of the layer loop :func:`convert_layers`.
+    """What the layer loop :func:`convert_layers` takes: the method knobs (``method``, its ``importance`` a metric,
+    not auto: convert.resolve_importance), the run's batch size and seed, and what the conversion fills in.
 
-    ``refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
+    ``method.refit_target``: "local" fits each pruned MLP to its own full-width output on the converted stream;
     "residual" fits it to the MLP output that restores the residual stream the *source* layers would produce,
     h_src(l+1) − z_conv(l), so every pruned layer also cancels the error accumulated upstream. The source stream
     starts from the converted one at the first shrinking layer (the layers before it only grow, which changes
@@ -151,30 +152,12 @@ class LayerSettings:
     does not apply to sandwich-norm (Gemma 3) blocks.
     """
 
-    importance: str = "activation"
-    grow_init: str = "noise"
-    refit: bool = True
-    refit_target: str = "local"
-    batch_size: int = 8
-    seed: int = 0
-    noise_scale: float = NOISE_SCALE
-    damp: float = DAMP
+    method: Method
+    batch_size: int
+    seed: int
     scores_needed: bool = True  # the caller uses the neuron scores even where nothing is resized (hope_attention)
-    token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
-    reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
-    reconstruct_lr: float = 1e-4
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
-    fisher_blocks: int = 0  # the Fisher pre-pass's calibration blocks, evenly spread over them; 0: every block
-    fisher_seq_len: int = 0  # the Fisher pre-pass's sequence length (blocks cut into pieces); 0: the blocks'
-    fisher_draws: int = 1  # targets drawn per sequence by the Fisher pre-pass (one backward each), scores averaged
-    fisher_mask: str = "token"  # the Fisher pre-pass's mask: one a neuron and position, or a sequence (fisher.MASKS)
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
-    shrink: str = "drop"  # a shrinking layer keeps its top-scored neurons, or folds all into clusters
-    # (fold.SHRINK_METHODS)
-    fold_iters: int = FOLD_ITERS  # the fold's k-means iterations from the kept neurons; 0: the kept stay as they are
-
-    def __post_init__(self):
-        check_shrink(self.shrink, self.fold_iters)
 
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widths: list[int],
@@ -182,19 +165,20 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widt
     """Fill ``settings.model_scores`` when the importance metric scores neurons on the whole source ``model`` (a
     TLMForCausalLM in memory) before the layer loop resizes it to ``widths``; a no-op for the per-layer metrics.
     Only the layers from :func:`first_ranked_layer` on are scored."""
-    if settings.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
+    m = settings.method
+    if m.importance in WHOLE_MODEL and settings.model_scores is None:  # None: not measured already
         first = first_ranked_layer(model.config.intermediate_sizes, widths, settings)
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
-                                              progress=progress, max_blocks=settings.fisher_blocks,
-                                              seq_len=settings.fisher_seq_len, first_layer=first,
-                                              draws=settings.fisher_draws, mask=settings.fisher_mask)
+                                              progress=progress, max_blocks=m.fisher_blocks,
+                                              seq_len=m.fisher_seq_len, first_layer=first,
+                                              draws=m.fisher_draws, mask=m.fisher_mask)
 
 
 def first_ranked_layer(source_widths: list[int], widths: list[int], settings: LayerSettings) -> int:
     """The first layer whose neuron scores the conversion uses: the layers before it only grow, keep every neuron
     and are not ranked, unless growth copies the top-ranked ones (``split``) or the caller uses every layer's scores
     (``scores_needed``: a scored mixer)."""
-    if settings.grow_init == "split" or settings.scores_needed:
+    if settings.method.grow_init == "split" or settings.scores_needed:
         return 0
     return next((i for i, (w, s) in enumerate(zip(widths, source_widths)) if w <= s), len(widths))
 
@@ -227,14 +211,13 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
     unchanged, with no scores. For a model in memory: ``convert_layers(model.model, ModelLayers(model), ...)``
     converts ``model`` in place.
 
-    ``progress(layer_idx)`` is called after each layer; ``timer(phase)`` is a context manager that accounts
+    ``progress(done, total)`` is called with 0 before the first layer and after each; ``timer(phase)`` is a context manager that accounts
     seconds to "calibrate" (forward passes with hooks, the refit's Gram matrices), "rank" (scores, plan, the refit's
     solve) and "resize" (new weights and the MLP passes that use them)."""
     timer = timer or _no_timer
-    check_shrink(settings.shrink, settings.fold_iters)  # a field set after construction, before any token runs
     if not calibration_needed(base.config.intermediate_sizes, widths, settings):
         return _pass_through(base, layers, progress)
-    residual = settings.refit and settings.refit_target == "residual" and not base.config.sandwich_norm
+    residual = settings.method.refit and settings.method.refit_target == "residual" and not base.config.sandwich_norm
     device = base.embed_tokens.weight.device
     bs = settings.batch_size
     batches = [blocks[i : i + bs].to(device) for i in range(0, len(blocks), bs)]
@@ -244,7 +227,10 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
     source_hidden = None  # the source layers' residual stream, from the first shrinking layer on
     step = _LayerStep(base, positions, settings, policy, timer)
     plans, scores = [], []
-    for i in range(base.config.num_hidden_layers):
+    total = base.config.num_hidden_layers
+    if progress is not None:
+        progress(0, total)
+    for i in range(total):
         layer = layers.layer(i)
         width, source_width = widths[i], layer.mlp.down_proj.in_features
         with timer("calibrate"):
@@ -256,7 +242,7 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
                 step.source_layer(layer, source_hidden)
         if width < source_width:
             plan, score, hidden = step.shrink(i, layer, mixed, width, source_hidden)
-        elif width > source_width and settings.grow_init != "split":
+        elif width > source_width and settings.method.grow_init != "split":
             plan, score, hidden = step.grow(i, layer, mixed, width)
         else:
             plan, score, hidden = step.keep_or_split(i, layer, mixed, width)
@@ -265,21 +251,23 @@ def convert_layers(base, layers: Layers, blocks: torch.Tensor | None, widths: li
         layers.done(i, layer, plan, scores[-1])
         del layer
         if progress is not None:
-            progress(i)
+            progress(i + 1, total)
     return CalibrationResult(plans=plans, scores=scores, tokens=int(blocks.numel()), hidden=hidden)
 
 
 def _pass_through(base, layers: Layers, progress) -> CalibrationResult:
     """The loop of an exact import: each layer, unchanged (the identity plan), straight to ``layers.done``."""
     layers.embedded()
-    plans = []
+    plans, total = [], base.config.num_hidden_layers
+    if progress is not None:
+        progress(0, total)
     for i, width in enumerate(base.config.intermediate_sizes):
         layer = layers.layer(i)
         plans.append(LayerPlan(keep=list(range(width))))
         layers.done(i, layer, plans[-1], None)
         del layer
         if progress is not None:
-            progress(i)
+            progress(i + 1, total)
     return CalibrationResult(plans=plans, scores=[None] * len(plans), tokens=0, hidden=[])
 
 
@@ -289,9 +277,10 @@ class _LayerStep:
 
     def __init__(self, base, positions, settings: LayerSettings, policy: MemoryPolicy, timer):
         self.base, self.positions, self.policy, self.timer = base, positions, policy, timer
-        self.importance, self.grow_init, self.refit = settings.importance, settings.grow_init, settings.refit
-        self.seed, self.noise_scale, self.damp = settings.seed, settings.noise_scale, settings.damp
-        self.settings = settings
+        m = settings.method
+        self.importance, self.grow_init, self.refit = m.importance, m.grow_init, m.refit
+        self.seed, self.noise_scale, self.damp = settings.seed, m.noise_scale, m.damp
+        self.settings, self.method = settings, m
 
     def mix(self, layer, hidden: list) -> list:
         """z = mix(h) per batch; frees each input batch as soon as it is mixed."""
@@ -349,7 +338,7 @@ class _LayerStep:
         down = layer.mlp.down_proj
         obs = self.importance in OBS_METRICS
         rows = self.policy.rows(12 * down.in_features)
-        weights = token_weights(self.settings.token_weighting, mixed)
+        weights = token_weights(self.method.token_weighting, mixed)
         with self.timer("calibrate"):
             with activation_stats(down, gram=obs and source_hidden is None and weights is None, keep=True, stop=True,
                                   block_rows=rows) as stats:
@@ -393,7 +382,7 @@ class _LayerStep:
         return plan, score, hidden
 
     def reconstructs(self, layer) -> bool:
-        return self.settings.reconstruct_epochs > 0 and not layer.sandwich
+        return self.method.reconstruct_epochs > 0 and not layer.sandwich
 
     def reconstruct(self, i, layer, plan, mixed, targets, weights, resized=False) -> list:
         """Resize (unless ``resized``), then train the pruned MLP towards the refit's ``targets``
@@ -402,8 +391,8 @@ class _LayerStep:
             if not resized:
                 self.resize(i, layer, plan)
             budget = self.settings.reconstruct_budget
-            history = reconstruct_mlp(layer, mixed, targets, weights, self.settings.reconstruct_epochs,
-                                      self.settings.reconstruct_lr, seed=self.seed + i,
+            history = reconstruct_mlp(layer, mixed, targets, weights, self.method.reconstruct_epochs,
+                                      self.method.reconstruct_lr, seed=self.seed + i,
                                       on_epoch=None if budget is None else budget.tick)
             logger.info("layer %d reconstruction: relative error %s", i, " -> ".join(f"{e:.4f}" for e in history))
             del targets
@@ -413,7 +402,7 @@ class _LayerStep:
         """AᵀA (and the residual target's AᵀY) summed batch by batch while the MLP runs up to its down projection,
         the plan and refit from them (G_KK taken out of AᵀA in place), then the resized MLP runs again; or, when
         the activations take less memory than that (few tokens, wide MLP) and the policy allows, ``shrink_kept``."""
-        if self.settings.shrink == "fold":
+        if self.method.shrink == "fold":
             return self.fold(i, layer, mixed, width, source_hidden)
         down = layer.mlp.down_proj
         tokens = sum(z.shape[0] * z.shape[1] for z in mixed)
@@ -421,7 +410,7 @@ class _LayerStep:
             return self.shrink_kept(i, layer, mixed, width, source_hidden)
         obs = self.importance in OBS_METRICS
         solve = obs or self.refit
-        weights = token_weights(self.settings.token_weighting, mixed)
+        weights = token_weights(self.method.token_weighting, mixed)
         rows = self.policy.rows(12 * down.in_features)
         residual = solve and source_hidden is not None
         cross = _Cross(down, mixed, source_hidden, self.policy, weights) if residual else None
@@ -461,7 +450,7 @@ class _LayerStep:
         merged neurons' own activations (a pass of the folded MLP) to the refit's target, the folded MLP run again.
         Resident beyond the drop's: the refit's targets, (N, d) fp32."""
         mlp = layer.mlp
-        weights = token_weights(self.settings.token_weighting, mixed)
+        weights = token_weights(self.method.token_weighting, mixed)
         with self.timer("calibrate"):
             with activation_stats(mlp.down_proj, stop=True) as stats, _input_moment(mlp) as moment:
                 _run_to_down_proj(layer, mixed)
@@ -470,7 +459,7 @@ class _LayerStep:
         with self.timer("rank"):
             keep = plan_from_scores([score], [width])[0].keep
             rows = {n: _with_bias(getattr(mlp, n)) for n in ("gate_proj", "up_proj") if hasattr(mlp, n)}
-            merge = fold_merge(rows, moment.total, score, keep, self.settings.fold_iters, self.seed + i)
+            merge = fold_merge(rows, moment.total, score, keep, self.method.fold_iters, self.seed + i)
             plan = LayerPlan(keep=keep, merge=merge)
         with self.timer("resize"):
             self.resize(i, layer, plan)
@@ -684,4 +673,4 @@ def _resize_in_place(layer, idx, plan, grow_init, noise_scale, seed) -> None:
 
 
 __all__ = ["convert_layers", "score_whole_model", "first_ranked_layer", "CalibrationResult", "MemoryPolicy",
-           "IN_MEMORY", "LOW_MEMORY", "Layers", "ModelLayers", "LayerSettings", "NOISE_SCALE"]
+           "IN_MEMORY", "LOW_MEMORY", "Layers", "ModelLayers", "LayerSettings"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-DAMP = 1e-3  # λ relative to the mean diagonal of the Gram matrix
+from .options import DAMP
 
 
 def refit_down_proj(gram: torch.Tensor, down: torch.Tensor, keep: list[int], damp: float = DAMP,

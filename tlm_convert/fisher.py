@@ -1,4 +1,4 @@
-"""``--importance fisher``: MLP neurons ranked by what removing them costs the model's own output distribution.
+"""Importance ``fisher``: MLP neurons ranked by what removing them costs the model's own output distribution.
 
 Every other metric is local to one layer: OBS ranks a neuron by the error its removal leaves in *that layer's*
 output after compensation. This one asks the whole model. Put a mask m_j = 1 on neuron j's activation a_j; removing
@@ -40,9 +40,10 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from .options import FISHER_MASKS as MASKS
+
 BACKWARD_BUDGET = 1 << 30  # bytes a backward batch may hold: the activations autograd keeps
 HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient (a few positions' worth)
-MASKS = ("token", "sequence")  # one mask a neuron per sequence and position (the default), or per sequence
 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,

@@ -31,21 +31,11 @@ import warnings
 
 import torch
 
-from tlm_io.errors import ConversionError
+from .options import FOLD_ITERS
 
-SHRINK_METHODS = ("drop", "fold")  # a shrinking layer: keep its top-scored neurons, or merge all into clusters
-FOLD_ITERS = 10  # k-means (Lloyd) iterations from the kept neurons: bounds the clustering's cost
 WEIGHT_FLOOR = 1e-6  # the smallest sample weight, relative to the mean score (a zero-score neuron still clusters)
 
 logger = logging.getLogger(__name__)
-
-
-def check_shrink(shrink: str, iters) -> None:
-    """ConversionError (one line) for a shrink method or fold iteration count the layer loop cannot run."""
-    if shrink not in SHRINK_METHODS:
-        raise ConversionError(f"shrink {shrink!r}: expected one of {', '.join(SHRINK_METHODS)}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ConversionError(f"fold_iters {iters!r}: expected 0 or a positive integer")
 
 
 def fold_merge(rows: dict[str, torch.Tensor], moment: torch.Tensor, score: torch.Tensor, seeds: list[int],
@@ -140,4 +130,4 @@ def merge_matrices(labels, weight, scale, sign, unit, gated: bool, k: int, seeds
     return {**({"gate_proj": mean} if gated else {}), "up_proj": up, "down_proj": down}
 
 
-__all__ = ["SHRINK_METHODS", "FOLD_ITERS", "check_shrink", "fold_merge", "cluster", "fill_empty", "merge_matrices"]
+__all__ = ["fold_merge", "cluster", "fill_empty", "merge_matrices"]

@@ -42,7 +42,7 @@ from tlm_train.recipe import recipe_from_dict
 from tlm_train.trainer import train
 
 from .evalsets import geomean
-from .samples import SELF
+from .options import HEAL_STEP, SELF, tokens_per_step
 
 HEAL_DIR = "heal"  # in OUT: the heal's metrics.jsonl, recipe.yaml, run_summary.json
 WORK_DIR = "heal-work"  # in the temporary folder; removed before OUT is published
@@ -57,28 +57,10 @@ HEAL_RECIPE = {
     "optim": {"lr": 5.2e-4, "min_lr": 5.2e-4, "lr_relative": True, "warmup_steps": 5, "decay": "constant",
               "weight_decay": 0.0, "grad_clip": 1.0},
     # 4 x seq_len tokens a step in two micro-batches; the embedding (and its tied head) stays the source's
-    "train": {"batch_size": 2, "grad_accum": 2, "trainable": ["model.layers.*", "model.norm.*"],
+    "train": {**HEAL_STEP, "trainable": ["model.layers.*", "model.norm.*"],
               "precision": "auto"},  # bf16 autocast where it is fast (AVX512-BF16/AMX CPUs, CUDA), else fp32
     "log": {"every": 5, "eval_every": 0, "save_every": 1_000_000, "keep_last": 1, "tensorboard": False},
 }
-
-
-def tokens_per_step(seq_len: int) -> int:
-    return HEAL_RECIPE["train"]["batch_size"] * HEAL_RECIPE["train"]["grad_accum"] * seq_len
-
-
-def check_heal(tokens: int, seq_len: int, low_memory: bool) -> None:
-    """ConversionError for a --heal-tokens value or combination that cannot train."""
-    if tokens < 0:
-        raise ConversionError(f"--heal-tokens {tokens}: must be 0 (no heal) or a positive number of tokens")
-    if tokens == 0:
-        return
-    if low_memory:
-        raise ConversionError("--heal-tokens trains the whole model in memory; drop --low-memory, or heal "
-                              "afterwards with tlm train recipes/cpt/smollm2-135m-heal.yaml")
-    if tokens < tokens_per_step(seq_len):
-        raise ConversionError(f"--heal-tokens {tokens} is less than one training step ({tokens_per_step(seq_len)} "
-                              f"tokens at --seq-len {seq_len}); raise it or use 0 for no heal")
 
 
 def heal_recipe(student: str, teacher: str, data: str, tokens: int, output_dir: str, seq_len: int, seed: int = 0,
@@ -193,5 +175,4 @@ def _keep_log(run: Path, dest: Path) -> None:
             shutil.copy2(run / name, dest / name)
 
 
-__all__ = ["HEAL_RECIPE", "HEAL_DIR", "check_heal", "heal_data", "heal_recipe", "heal", "healed_entries",
-           "tokens_per_step"]
+__all__ = ["HEAL_RECIPE", "HEAL_DIR", "heal_data", "heal_recipe", "heal", "healed_entries"]

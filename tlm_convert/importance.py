@@ -37,8 +37,8 @@ from contextlib import contextmanager
 
 import torch
 
-METRICS = ("activation", "obs", "wanda_sp", "wifv", "magnitude", "random", "fisher", "fisher_obs")
-WHOLE_MODEL = frozenset({"fisher", "fisher_obs"})  # scored on the whole source model before the layer loop
+from .options import METRICS, WHOLE_MODEL
+
 OBS_METRICS = frozenset({"obs", "fisher_obs"})  # remove neurons by OBS's greedy compensated cost
 
 

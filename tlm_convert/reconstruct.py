@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-TOKEN_WEIGHTINGS = ("none", "sink", "inv_norm")
+from .options import TOKEN_WEIGHTINGS
 
 
 def token_weights(kind: str, mixed: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -86,7 +86,7 @@ def write_markdown(report: dict, path: Path) -> None:
         lines += [f"  - {line}" for line in accuracy_lines(report)]
     if "taper_stages" in report:
         stages = report["taper_stages"]
-        lines.append(f"- reached in {len(stages)} stages (--taper-stages), each converting the previous stage's healed "
+        lines.append(f"- reached in {len(stages)} stages (--set taper_stages), each converting the previous stage's healed "
                      "model and healing it from the source: ratios " + ", ".join(s["ratio"] for s in stages)
                      + "; heal tokens " + ", ".join(f"{s['heal_tokens']:,}" for s in stages)
                      + " (the perplexities above: the last stage's, against the source)")

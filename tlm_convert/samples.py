@@ -23,7 +23,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from tlm_io.errors import ConversionError
 from tlm_io.text import load_text, text_prefix, token_blocks
 
-SELF = "self"  # the calibration source name
+from .options import SELF
+
 BATCH = 128  # samples drawn together: more tokens/s than small batches on CPU, for a KV cache that grows with it
 
 

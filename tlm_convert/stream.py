@@ -62,18 +62,6 @@ INDEX_NAME = "model.safetensors.index.json"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def check_streamable(opts) -> None:
-    """The options that need the whole model in memory, refused before anything is read (one line each)."""
-    if opts.export != "tlm":
-        raise ConversionError(f"the low-memory policy writes --export tlm only (--export {opts.export} needs the "
-                              "whole model in memory); drop --low-memory, or use --export tlm")
-    if opts.mixer == "titans":
-        raise ConversionError("the titans mixer draws its new memory weights from the whole model's seeded init, "
-                              "which the low-memory policy never builds; drop --low-memory, or use another --mixer")
-    if str(opts.device) != "cpu":
-        raise ConversionError(f"the low-memory policy runs on the CPU; drop --device {opts.device} or --low-memory")
-
-
 # ============================================================================================== source
 
 
@@ -362,5 +350,5 @@ def _perplexity(base, tensors: dict, head: torch.Tensor, hidden, eval_state) -> 
     return {name: math.exp(total / count) for name, (total, count) in sums.items()}
 
 
-__all__ = ["open_stream", "check_streamable", "StreamSource", "StreamedLayers",
+__all__ = ["open_stream", "StreamSource", "StreamedLayers",
            "expected_shapes"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GROW_INITS = ("noise", "zero", "split")
+from .options import GROW_INITS
 
 
 @dataclass

@@ -249,7 +249,7 @@ def check_deci(config: TLMConfig, source: Source | None = None) -> list[float]:
         i, w = bad[0]
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         raise ConversionError(f"export 'deci' needs MLP widths that are multiples of {DECI_MULTIPLE} (layer {i} has "
-                              f"{w}{more}); re-run with --multiple-of {DECI_MULTIPLE} or use --export tlm")
+                              f"{w}{more}); convert with --set multiple_of={DECI_MULTIPLE} or use --export tlm")
     mults = []
     for i, w in enumerate(config.intermediate_sizes):
         mult = ffn_mult_for(w, config.hidden_size)

@@ -45,7 +45,8 @@ from tlm_train.prepare import prepare_data
 from tlm_train.recipe import apply_overrides, build_spec, recipe_from_dict
 from tlm_train.trainer import list_checkpoints, train, wsd_decay_start
 
-from tlm_convert.convert import ConvertOptions, convert
+from tlm_convert.convert import convert
+from tlm_convert.options import KNOBS, USER_OPTIONS, options_from
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class CompareSpec:
     ratio: str = "1.5/0.5"
     shapes: dict = field(default_factory=dict)  # name -> {schedule, ratio}: more from-scratch arms "<name>-scratch"
     arms: list[str] | None = None  # the arms to run; None: the four and every shape
-    convert: dict = field(default_factory=dict)  # ConvertOptions fields (calibration_tokens, importance, ...)
+    convert: dict = field(default_factory=dict)  # tlm-convert's options and method knobs (calibration_tokens, ...)
     decay_fraction: float = 0.2  # the wsd schedule's decaying share of N + M
     rewarm_steps: int = 5  # (c) and (d): the ramp to the schedule's rate on a fresh optimizer
     report: str = "compare"  # the report files' name in output_dir (<report>.json, .md, curves-<report>-*.png), so
@@ -178,10 +179,9 @@ def check_spec(spec: CompareSpec) -> None:
     for name, extra in spec.mixers.items():
         if not isinstance(extra, dict):
             errors.append(f"mixers.{name}: expected a mapping of model.config overrides (or {{}})")
-    fields = set(ConvertOptions.__dataclass_fields__)
     for key in spec.convert:
-        if key not in fields:
-            errors.append(f"convert.{key}: unknown ConvertOptions field")
+        if key not in USER_OPTIONS + KNOBS:
+            errors.append(f"convert.{key}: neither a tlm-convert option nor a method knob (docs/knobs.md)")
     if not 0 <= spec.decay_fraction < 1:
         errors.append(f"decay_fraction: must be in [0, 1), got {spec.decay_fraction}")
     if not spec.report or not spec.report.replace("-", "").replace("_", "").isalnum():
@@ -347,7 +347,7 @@ def _convert(spec: CompareSpec, recipes: dict, mixer: str, seed: int, n: int) ->
     base = recipe_from_dict(recipes[f"uniform-N{n}"])
     options = {"schedule": spec.schedule, "ratio": spec.ratio, "calibration_data": base.data.train,
                "seq_len": base.data.seq_len, "seed": seed, "multiple_of": base.model.multiple_of, **spec.convert}
-    convert(str(folder / f"uniform-N{n}" / "final"), str(out), ConvertOptions(**options))
+    convert(str(folder / f"uniform-N{n}" / "final"), str(out), options_from(**options))
 
 
 def run_seed(spec: CompareSpec, mixer: str, seed: int, progress: bool = False) -> None:

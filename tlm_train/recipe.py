@@ -12,9 +12,6 @@ any transformers / GGUF / TLM model) or ``model`` (a TLM config trained from scr
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +21,7 @@ import yaml
 from tlm import TLMConfig
 from tlm_io.errors import RecipeError
 
-from .recipe_file import read_recipe_file
+from .recipe_file import apply_overrides, build_spec, read_recipe_file
 
 SEED_LIMIT = 1 << 32  # seeds are 0 .. 2**32 - 1: NumPy's range, and products of it stay within torch's 64 bits
 
@@ -167,112 +164,6 @@ def recipe_from_dict(data: Any, overrides: list[str] | tuple[str, ...] = (), nam
     if errors:
         raise RecipeError(f"{name}: {len(errors)} problem(s):\n" + "\n".join(f"  {e}" for e in errors))
     return recipe
-
-
-def apply_overrides(data: dict, overrides) -> dict:
-    import copy
-
-    data = copy.deepcopy(data)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise RecipeError(f"override {item!r} is not of the form key.path=value (e.g. optim.lr=1e-3)")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node, parts = data, key.strip().split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-    return data
-
-
-def _type_name(tp) -> str:
-    if tp is float:
-        return "a number"
-    if tp is int:
-        return "an integer"
-    if tp is bool:
-        return "true or false"
-    if tp is str:
-        return "a string"
-    if tp is dict:
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def build_spec(cls, data: Any, path: str, errors: list[str]):
-    """Instantiate dataclass ``cls`` from ``data``, appending every problem (with its key path) to ``errors``."""
-    if not isinstance(data, dict):
-        errors.append(f"{path or 'recipe'}: expected a mapping, got {data!r}")
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            close = [k for k in fields if k.startswith(str(key)[:3])]
-            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(fields)})"
-            errors.append(f"{_join(path, key)}: unknown key{hint}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], _join(path, name), errors)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            errors.append(f"{_join(path, name)}: missing (required)")
-    try:
-        return cls(**kwargs)
-    except TypeError:  # a required key is missing: already reported
-        return None
-
-
-def _join(path: str, key) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _coerce(value: Any, tp, path: str, errors: list[str]):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _coerce(value, inner[0], path, errors)
-    if dataclasses.is_dataclass(tp):
-        return build_spec(tp, value, path, errors)
-    if origin is Literal:
-        if value not in args:
-            errors.append(f"{path}: expected one of {', '.join(map(str, args))}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            errors.append(f"{path}: expected a list, got {value!r}")
-            return value
-        return [_coerce(v, args[0], f"{path}[{i}]", errors) for i, v in enumerate(value)] if args else value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
-            if isinstance(value, str) or not isinstance(value, float):
-                errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
-                return value
-        try:
-            value = float(value)
-        except OverflowError:  # an integer beyond any float
-            value = math.inf
-        if not math.isfinite(value):  # .nan, .inf: no run can use them
-            errors.append(f"{path}: expected a finite number, got {value!r}")
-        return value
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
-    elif tp in (str, bool, dict) and not isinstance(value, tp):
-        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
-    return value
 
 
 _SET_BY_MODEL = {"schedule": "model.schedule", "taper_ratio": "model.ratio", "multiple_of": "model.multiple_of"}

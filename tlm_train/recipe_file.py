@@ -1,12 +1,20 @@
-"""A recipe file read as data, with PyYAML and the standard library only (no torch: the console entry points read a
-recipe's sizes through it before importing the commands): a regular UTF-8 file of at most :data:`MAX_RECIPE_BYTES`,
-nested at most :data:`MAX_RECIPE_DEPTH` deep, with no key given twice in one mapping. Every problem is one
-RecipeError naming the file."""
+"""Recipe data with PyYAML and the standard library only (no torch: the console entry points and tlm-convert's
+options use it before anything heavy is imported).
+
+:func:`read_recipe_file`: a regular UTF-8 file of at most :data:`MAX_RECIPE_BYTES`, nested at most
+:data:`MAX_RECIPE_DEPTH` deep, with no key given twice in one mapping; every problem is one RecipeError naming the
+file. :func:`apply_overrides` and :func:`build_spec`: ``key.path=value`` overrides and the typed dataclass they fill,
+every problem named by its key path (``tlm train --set``, ``tlm compare --set``, ``tlm-convert --set``)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -76,4 +84,109 @@ def _flow_depth(text: str) -> int:
     return deepest
 
 
-__all__ = ["MAX_RECIPE_BYTES", "MAX_RECIPE_DEPTH", "read_recipe_file"]
+def apply_overrides(data: dict, overrides) -> dict:
+    """A copy of ``data`` with every ``key.path=value`` of ``overrides`` set (values read as YAML scalars)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"override {item!r} is not of the form key.path=value (e.g. optim.lr=1e-3)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node, parts = data, key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return data
+
+
+def _type_name(tp) -> str:
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if tp is dict:
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def build_spec(cls, data: Any, path: str, errors: list[str]):
+    """Instantiate dataclass ``cls`` from ``data``, appending every problem (with its key path) to ``errors``."""
+    if not isinstance(data, dict):
+        errors.append(f"{path or 'recipe'}: expected a mapping, got {data!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = [k for k in fields if k.startswith(str(key)[:3])]
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(fields)})"
+            errors.append(f"{_join(path, key)}: unknown key{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], _join(path, name), errors)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            errors.append(f"{_join(path, name)}: missing (required)")
+    try:
+        return cls(**kwargs)
+    except TypeError:  # a required key is missing: already reported
+        return None
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _coerce(value: Any, tp, path: str, errors: list[str]):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], path, errors)
+    if dataclasses.is_dataclass(tp):
+        return build_spec(tp, value, path, errors)
+    if origin is Literal:
+        if value not in args:
+            errors.append(f"{path}: expected one of {', '.join(map(str, args))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {value!r}")
+            return value
+        return [_coerce(v, args[0], f"{path}[{i}]", errors) for i, v in enumerate(value)] if args else value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if isinstance(value, str) or not isinstance(value, float):
+                errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+                return value
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
+        if not math.isfinite(value):  # .nan, .inf: no run can use them
+            errors.append(f"{path}: expected a finite number, got {value!r}")
+        return value
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    elif tp in (str, bool, dict) and not isinstance(value, tp):
+        errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+__all__ = ["MAX_RECIPE_BYTES", "MAX_RECIPE_DEPTH", "apply_overrides", "build_spec", "read_recipe_file"]

@@ -285,7 +285,8 @@ class _Run:
         if d.main and self.show_progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=r.train.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
+            bar = tqdm(total=r.train.max_steps, initial=self.step, desc=self.phase.what, unit="step",
+                       dynamic_ncols=True)
         self.batches = iter(micro_batch_loader(self.order, d.rank, self.step, r.train.max_steps, r.data.num_workers,
                                                pin_memory=d.device.type == "cuda"))
         try:

@@ -20,25 +20,25 @@ for fam in ['llama', 'gpt2', 'gemma3_text', 'qwen3']:
     make_source(Path('$SRC')/fam, fam, tokenizer=tok)
 "
 fi
-C="--calibration-tokens 2048 --seq-len 64 --multiple-of 1 --batch-size 4"
+C="--calibration-tokens 2048 --seq-len 64 --set multiple_of=1 --batch-size 4"
 run() { name=$1; shift; nice -n 10 python -m tlm_convert "$@" -o $OUT/$name > $OUT/$name.log 2>&1 || echo "FAIL $name"; }
 run llama_obs $SRC/llama $C
-run llama_act $SRC/llama $C --importance activation
+run llama_act $SRC/llama $C --set importance=activation
 run llama_lowmem $SRC/llama $C --low-memory
-run llama_lowmem_act $SRC/llama $C --low-memory --importance activation
-run llama_local_sink $SRC/llama $C --refit-target local --token-weighting sink
+run llama_lowmem_act $SRC/llama $C --low-memory --set importance=activation
+run llama_local_sink $SRC/llama $C --set refit_target=local --set token_weighting=sink
 run llama_deci $SRC/llama $C --export deci
 run llama_hf $SRC/llama $C --export hf
 run llama_padded $SRC/llama $C --export padded
 run llama_gguf $SRC/llama $C --export gguf --dtype float16
-run llama_titans $SRC/llama $C --mixer titans --grow-init split
-run llama_recon $SRC/llama $C --reconstruct-epochs 1 --importance magnitude
+run llama_titans $SRC/llama $C --mixer titans --set grow_init=split
+run llama_recon $SRC/llama $C --set reconstruct_epochs=1 --set importance=magnitude
 run llama_eval $SRC/llama $C --eval-data default-eval --eval-tokens 1024
 run gpt2_obs $SRC/gpt2 $C
 run gpt2_lowmem $SRC/gpt2 $C --low-memory
 run gemma_obs $SRC/gemma3_text $C --dtype bfloat16
 run gemma_lowmem $SRC/gemma3_text $C --low-memory
-run qwen3_obs $SRC/qwen3 $C --grow-init zero
+run qwen3_obs $SRC/qwen3 $C --set grow_init=zero
 run qwen3_hf $SRC/qwen3 $C --export hf --low-memory
 cd $OUT && find . -type f ! -name '*.log' | sort | xargs sha256sum > sha.txt
 # normalised reports: drop timings and memory (they differ run to run)
