@@ -5,12 +5,14 @@ RecipeError naming the file."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tlm_io.errors import RecipeError
+from tlm_io.errors import RecipeError, one_line
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
 MAX_RECIPE_DEPTH = 100  # [ / { nesting; recipes nest a few levels
@@ -39,13 +41,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def read_recipe_file(path: Path) -> Any:
     """The parsed YAML of the recipe file ``path`` (a mapping, for a recipe; None for an empty file)."""
-    if not path.is_file():
-        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
-    if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
-                          "pass the YAML recipe file")
+    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read(path).decode("utf-8")
         if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML would take seconds to find it too deep
             raise RecursionError
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
@@ -56,10 +54,51 @@ def read_recipe_file(path: Path) -> Any:
     except _DuplicateKey as err:
         raise RecipeError(f"recipe '{path}': {err}; keep one of them (a later one would silently replace the "
                           "first)") from None
+    except yaml.constructor.ConstructorError as err:
+        tag = getattr(err, "problem", "") or ""
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        if "tag" in tag:  # !!python/object and other tags a safe loader never builds
+            name = tag.split("tag", 1)[1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+            what = "asks for a Python object, which a recipe never builds" if "python" in name else "is not plain data"
+            raise RecipeError(f"recipe '{path}'{where}: the tag {name} {what} (a recipe is plain YAML data); remove "
+                              "the tag") from None
+        raise RecipeError(f"recipe '{path}'{where}: {one_line(err)}; fix it") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"recipe '{path}' is not valid YAML{where}; fix the syntax") from None
+    return data
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the recipe file: a regular file of at most :data:`MAX_RECIPE_BYTES`, or a RecipeError saying
+    what it is instead (missing, a dangling link, a folder, a pipe or device, too large)."""
+    if not os.path.lexists(path):
+        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
+    if path.is_symlink() and not path.exists():
+        raise RecipeError(f"recipe '{path}' is a symbolic link to '{os.readlink(path)}', which does not exist; fix "
+                          "the link or pass the YAML recipe file")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))[:3]
+        hint = f" (it holds {', '.join(found)})" if found else ""
+        raise RecipeError(f"recipe '{path}' is a folder{hint}; pass the YAML recipe file itself")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise RecipeError(f"recipe '{path}' cannot be read ({err.strerror or err}); check it") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RecipeError(f"recipe '{path}' is not a regular file (a pipe, device or socket), which is never "
+                              "read; pass the YAML recipe file")
+        if info.st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"recipe '{path}' is {info.st_size >> 20} MiB, not a recipe (they are a few KB); "
+                              "pass the YAML recipe file")
+        data = f.read(MAX_RECIPE_BYTES + 1)
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe '{path}' grew beyond {MAX_RECIPE_BYTES >> 20} MiB while being read; pass the "
+                          "YAML recipe file")
     return data
 
 

@@ -142,7 +142,7 @@ class _Run:
             self.stop_requested = False
             self.limits, self.phase = None, TRAINING
             self.refused = False  # by the time budget
-            self.resume_from = resume_path(self.out, resume)
+            self.resume_from = resume_path(self.out, resume, recipe.train.max_steps)
         except BaseException:
             self.release()
             self.discard_new_folder()
