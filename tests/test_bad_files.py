@@ -317,7 +317,7 @@ def test_a_truncated_gguf_is_named(gguf_bytes, tmp_path):
 def test_a_file_that_is_no_gguf_is_named(tmp_path):
     (tmp_path / "model.gguf").write_text("<html>404 Not Found</html>" * 10)
     line = refused(tmp_path / "model.gguf", tmp_path)
-    assert "is not a GGUF file (it does not begin with the GGUF magic)" in line, line
+    assert "cannot be read as GGUF: it does not begin with the GGUF magic (not a GGUF file" in line, line
 
 
 def test_a_damaged_gguf_given_as_a_recipes_tokenizer_is_named(gguf_bytes, tmp_path):
@@ -394,6 +394,12 @@ def test_a_dangling_data_link_is_named_not_looked_up_on_the_hub(source, tmp_path
     assert "hub" not in line, line
 
 
+def test_a_data_link_that_loops_is_named(source, tmp_path):
+    (tmp_path / "corpus.txt").symlink_to(tmp_path / "corpus.txt")
+    line = _one_error_line(_tlm(["eval", source, "--data", tmp_path / "corpus.txt", "--seq-len", "32"]))
+    assert "is a symbolic link to" in line and "which loops back to itself" in line, line
+
+
 @pytest.mark.parametrize("files", [["a.txt"], ["sub/b.txt", "c.txt"], ["d.jsonl"]])
 def test_a_data_folder_of_empty_files_says_so(source, tmp_path, files):
     """Issue case: an empty folder (of empty files) as `tlm eval --data` surfaced a datasets schema error."""
@@ -450,3 +456,7 @@ def test_a_config_auto_map_never_runs_and_is_said_aloud(source, tmp_path):
     assert "evil" not in (tmp_path / "out" / "config.json").read_text()
     res = _tlm(["eval", src, "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"])
     assert res.exit_code == 0 and not (tmp_path / "pwned").exists(), res.output
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "evil"}))  # known only to its own code
+    (tmp_path / "again").mkdir()
+    line = refused(src, tmp_path / "again")
+    assert "unsupported architecture: model_type 'evil'" in line and not (tmp_path / "pwned").exists(), line

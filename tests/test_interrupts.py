@@ -123,6 +123,29 @@ def test_sigterm_while_a_training_run_sets_up_exits_143(tmp_path, monkeypatch):
 
 
 
+def test_sigterm_during_analyze_exits_143(source, tmp_path, monkeypatch):
+    import tlm_cli.main
+
+    _sigterm_when_called(monkeypatch, tlm_cli.main, "residual_alignment")
+    res = _tlm(["analyze", source, "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64", "-o", tmp_path / "a"])
+    assert res.exit_code == 143 and "stopped by SIGTERM" in _one_error_line(res), res.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_sigterm_during_compare_exits_143(tmp_path, monkeypatch):
+    import yaml
+    from test_compare import tiny_base
+
+    import tlm_cli.main
+
+    _sigterm_when_called(monkeypatch, tlm_cli.main, "run_comparison")
+    spec = {"base": tiny_base(tmp_path), "output_dir": str(tmp_path / "study"), "splits": ["3+2"], "rewarm_steps": 1}
+    (tmp_path / "compare.yaml").write_text(yaml.safe_dump(spec))
+    res = _tlm(["compare", tmp_path / "compare.yaml", "--no-progress"])
+    assert res.exit_code == 143, res.output
+    assert "stopped by SIGTERM; finished runs are kept; run it again to continue" in _one_error_line(res)
+
+
 # ============================================================================ from the first moment (start-up)
 
 PROC = Path("/proc/self/status").is_file()
@@ -193,6 +216,15 @@ def test_only_the_command_itself_installs_the_start_up_handler(process, installe
             "signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert done.stdout.split() == [installed, installed], done
+
+
+def test_a_signal_after_the_command_has_finished_changes_nothing():
+    """Once the command is done (its output written), a late Ctrl-C or SIGTERM does not turn its exit into 130/143."""
+    code = ("import os, signal, sys; from tlm_cli import launch; launch.stop_while_starting(); "
+            "launch._run(lambda: None); os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM); "
+            "print('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 0 and done.stdout == "done\n" and done.stderr == "", done
 
 
 # ============================================================================ Ctrl-C inside a command

@@ -244,3 +244,16 @@ def test_a_damaged_checkpoint_is_damage_with_every_other_checkpoint_damaged_too(
         _list_extra(run / ckpt, "../x")
     with pytest.raises(TrainError, match="no complete checkpoint .*checkpoint-6: manifest.json names '../x'"):
         newest_complete([run / "checkpoint-3", run / "checkpoint-6"])
+
+
+def test_a_file_is_hashed_only_up_to_its_recorded_size():
+    """What a manifest check reads of a file is bounded by the size recorded for it (a file that grows while it is
+    read is not read to its end)."""
+    import hashlib
+    import tempfile
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(b"0123456789" * 1000)
+        f.flush()
+        assert state_io.sha256(Path(f.name), block=7, limit=4) == hashlib.sha256(b"01234").hexdigest()
+        assert state_io.sha256(Path(f.name)) == hashlib.sha256(b"0123456789" * 1000).hexdigest()

@@ -23,8 +23,9 @@ def small_vocab(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("args", [["convert", "-o", "{tmp}/out", *FAST],
                                   ["convert", "-o", "{tmp}/out", *FAST[2:], "--calibration-data", "self"],
-                                  ["eval", "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"]],
-                         ids=["convert", "self-calibration", "eval"])
+                                  ["eval", "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"],
+                                  ["analyze", "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"]],
+                         ids=["convert", "self-calibration", "eval", "analyze"])
 def test_a_model_vocabulary_smaller_than_its_tokenizer_is_one_line(small_vocab, tmp_path, args):
     cmd, *rest = args
     line = _one_error_line(_tlm([cmd, small_vocab, *(a.replace("{tmp}", str(tmp_path)) for a in rest)]))

@@ -99,17 +99,25 @@ def test_a_previous_run_is_still_resumable(tmp_path):
     assert (tmp_path / "run" / "my-notes.txt").is_file() and (tmp_path / "run" / MARKER).is_file()
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "recipe.yaml", "run_summary.json"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", "recipe.yaml", "run_summary.json", "tensorboard"])
 def test_a_run_never_writes_through_a_link_in_its_folder(trained, tmp_path, name):
     precious = tmp_path / "precious.txt"
     precious.write_text('{"step": 1, "mine": true}\n{"step": 99, "mine": true}\n')
     before = precious.read_bytes()
     shutil.copytree(trained, tmp_path / "copy")
-    (tmp_path / "copy" / name).unlink()
+    (tmp_path / "copy" / name).unlink(missing_ok=True)
     (tmp_path / "copy" / name).symlink_to(precious)
     line = _one_error_line(resume(tmp_path / "copy", tmp_path))
     assert f"{name} is a symbolic link" in line and "output_dir" in line, line
     assert precious.read_bytes() == before
+
+
+def test_a_run_never_writes_into_a_pipe_in_its_folder(trained, tmp_path):
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    line = _one_error_line(resume(run, tmp_path))
+    assert "metrics.jsonl is not a plain file, which a run never writes through" in line, line
 
 
 def test_a_failed_start_leaves_no_new_folder(tmp_path):
@@ -202,8 +210,12 @@ def _overwrite(source: Path, out: Path):
     return _convert([source, "-o", out, *FAST, "--overwrite"])
 
 
-def test_overwrite_never_deletes_a_users_folder(source, tmp_path):
-    """The issue's data loss: `tlm-convert SRC -o MY_FOLDER --overwrite` deleted the user's files and exited 0."""
+def test_overwrite_never_deletes_a_users_folder(source, tmp_path, monkeypatch):
+    """The issue's data loss: `tlm-convert SRC -o MY_FOLDER --overwrite` deleted the user's files and exited 0.
+    Refused before the source is loaded."""
+    import tlm_convert.convert
+
+    monkeypatch.setattr(tlm_convert.convert, "load_source", lambda *a, **k: pytest.fail("the source was loaded"))
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("four years of work")
@@ -393,6 +405,26 @@ def test_a_resume_that_would_replace_a_later_checkpoint_with_a_users_file_is_ref
     assert listing(tmp_path / "run") == before
 
 
+def test_checkpoints_and_final_of_an_earlier_version_are_still_pruned_and_replaced(trained, tmp_path):
+    """Written before the marker: a checkpoint (trainer_state.json + manifest.json) and final/ (recipe.yaml +
+    config.json) holding only such files are a run's own."""
+    shutil.copytree(trained, tmp_path / "copy")
+    for folder in ("checkpoint-3", "final"):
+        (tmp_path / "copy" / folder / MARKER).unlink()
+    res = resume(tmp_path / "copy", tmp_path, 6, "--set", "log.keep_last=1")
+    assert res.exit_code == 0 and "kept" not in res.output, res.output
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-6"]
+    assert read_marker(tmp_path / "run" / "final")["tool"] == "tlm train"
+
+
+def test_a_run_folder_of_an_earlier_version_is_still_resumable(trained, tmp_path):
+    shutil.copytree(trained, tmp_path / "copy")
+    (tmp_path / "copy" / MARKER).rename(tmp_path / "copy" / ".tlm-run")
+    res = resume(tmp_path / "copy", tmp_path, 4)
+    assert res.exit_code == 0, res.output
+    assert read_marker(tmp_path / "run")["kind"] == "run"
+
+
 # ============================================================================ report files of analyze and compare
 
 
@@ -418,6 +450,39 @@ def test_analyze_replaces_its_own_report_but_does_not_claim_the_folder(source, t
     assert sorted(read_marker(tmp_path)["files"]) == ["alignment.json", "alignment.png"]
     line = _one_error_line(_overwrite(source, tmp_path))  # the folder still holds the user's file
     assert "holds files tapered-lm did not write there (thesis.tex)" in line, line
+
+
+def test_analyze_replaces_an_earlier_versions_report(source, tmp_path):
+    """No marker, but an alignment.json with the keys tlm analyze writes: an earlier version's report."""
+    (tmp_path / "alignment.json").write_text(json.dumps({"num_layers": 4, "h": {}, "z": {}}))
+    (tmp_path / "alignment.png").write_bytes(b"old plot")
+    res = _analyze(source, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert "model" in json.loads((tmp_path / "alignment.json").read_text())  # the new report
+    assert (tmp_path / "alignment.png").read_bytes() != b"old plot"
+
+
+@pytest.mark.parametrize("keys, allowed", [(("plan", "spec", "studies"), True), (("plan",), False)])
+def test_an_earlier_compare_report_is_recognised_by_its_keys(tmp_path, keys, allowed):
+    from tlm_io.outputs import check_files_owned
+
+    (tmp_path / "compare.json").write_text(json.dumps({key: 1 for key in keys}))
+    (tmp_path / "compare.md").write_text("| table |")
+    check = lambda: check_files_owned(tmp_path, ["compare.json", "compare.md"], "output_dir",  # noqa: E731
+                                      legacy=("compare.json", ("plan", "spec", "studies")))
+    if allowed:
+        check()
+    else:
+        with pytest.raises(ConversionError, match="compare.json exists and was not written by tapered-lm"):
+            check()
+
+
+def test_eval_writes_nothing(source, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = listing(source)
+    res = _tlm(["eval", source, "--data", str(DATA), "--seq-len", "32", "--max-tokens", "64"])
+    assert res.exit_code == 0, res.output
+    assert not list(tmp_path.iterdir()) and listing(source) == before
 
 
 def test_compare_never_replaces_a_users_report(tmp_path):

@@ -51,8 +51,8 @@ def check_gguf(file: Path) -> None:
     with open(file, "rb") as f:
         head = f.read(32)
     if len(head) < 24 or head[:4] != b"GGUF":
-        raise ConversionError(f"'{file}' is not a GGUF file (it does not begin with the GGUF magic); pass a .gguf "
-                              "model file or re-download it")
+        raise ConversionError(f"'{file}' cannot be read as GGUF: it does not begin with the GGUF magic (not a GGUF "
+                              "file, or a damaged one); pass a .gguf model file or re-download it")
     order = "<" if struct.unpack("<I", head[4:8])[0] < 1 << 16 else ">"  # the version tells the byte order
     n_tensors, n_kv = struct.unpack(order + "QQ", head[8:24])
     for count, least, what in ((n_tensors, _MIN_TENSOR_INFO, "tensors"), (n_kv, _MIN_KEY_VALUE, "key-value pairs")):

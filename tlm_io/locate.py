@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import ConversionError, one_line
 from .hub import offline
+from .outputs import broken_link
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -50,13 +51,8 @@ def locate(source: str | os.PathLike, download: bool = True) -> Path:
     local path is downloaded, or refused without ``download`` (the low-memory policy streams local files only)."""
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
-    if path.is_symlink() and not path.exists():
-        try:
-            path.resolve(strict=True)
-        except (OSError, RuntimeError) as err:  # ELOOP (a RuntimeError before Python 3.13) or a missing target
-            why = "which does not exist" if isinstance(err, FileNotFoundError) else "which loops back to itself"
-        raise ConversionError(f"'{text}' is a symbolic link to '{os.readlink(path)}', {why}; fix the link or pass "
-                              "the model folder or .gguf file itself")
+    if (broken := broken_link(path)) is not None:
+        raise ConversionError(f"'{text}' is {broken}; fix the link or pass the model folder or .gguf file itself")
     if path.exists() and not (path.is_file() or path.is_dir()):
         raise ConversionError(f"'{text}' is not a regular file or folder (a pipe, device or socket), which is never "
                               "read; pass the model folder or .gguf file")

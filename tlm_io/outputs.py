@@ -90,13 +90,22 @@ def check_output_path(source: str | os.PathLike | None, output: str | os.PathLik
     check_writable_parent(out, option)
 
 
+def broken_link(path: str | os.PathLike) -> str | None:
+    """For a symbolic link that leads nowhere: "a symbolic link to 'T', which does not exist" (or "..., which loops
+    back to itself"); None for anything else."""
+    path = Path(path)
+    if not path.is_symlink() or path.exists():
+        return None
+    why = "which loops back to itself" if _loops(path) else "which does not exist"
+    return f"a symbolic link to '{os.readlink(path)}', {why}"
+
+
 def _link_problem(out: Path, output, option: str) -> str:
     """Why an OUTPUT that is a symbolic link is refused: it is dangling, loops, or would replace the link (never
     the folder it names)."""
     target = os.readlink(out)
-    if not out.exists():
-        return (f"output {output} is a symbolic link to '{target}', which does not exist; remove the link or choose "
-                f"another {option}")
+    if (broken := broken_link(out)) is not None:
+        return f"output {output} is {broken}; remove the link or choose another {option}"
     return (f"output {output} is a symbolic link to '{target}'; an output is written in place of the link, never "
             f"through it: pass {option} '{out.resolve()}' itself or choose another {option}")
 
@@ -131,9 +140,8 @@ def check_writable_parent(out: Path, option: str = "-o") -> Path:
     """The nearest existing ancestor of ``out``'s parent, checked to be a writable folder; returned."""
     ancestor = existing_ancestor(out.parent)
     resolved(ancestor, f"cannot create {out}", option)
-    if ancestor.is_symlink() and not ancestor.exists():
-        raise ConversionError(f"cannot create {out}: '{ancestor}' is a symbolic link to '{os.readlink(ancestor)}', "
-                              f"which does not exist; fix the link or choose another {option}")
+    if (broken := broken_link(ancestor)) is not None:
+        raise ConversionError(f"cannot create {out}: '{ancestor}' is {broken}; fix the link or choose another {option}")
     if not ancestor.is_dir():
         raise ConversionError(f"cannot create {out}: '{ancestor}' is a file, not a folder; choose another {option}")
     if not os.access(ancestor, os.W_OK | os.X_OK):
@@ -667,7 +675,7 @@ def exchange(a: Path, b: Path) -> bool:
 
 
 __all__ = ["OutputLock", "RUN_MARKER", "MARKER", "LEGACY_RUN_MARKER", "RUN", "OUTPUT", "write_marker", "add_to_marker",
-           "read_marker", "replace_problem", "check_files_owned", "resolved", "tool_version", "output_run", "check_output_given",
+           "read_marker", "replace_problem", "check_files_owned", "resolved", "broken_link", "tool_version", "output_run", "check_output_given",
            "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

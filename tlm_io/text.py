@@ -21,6 +21,7 @@ import torch
 
 from .errors import ConversionError, one_line
 from .hub import offline
+from .outputs import broken_link
 
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED = {"default": DATA_DIR / "calibration_mix.txt", "default-eval": DATA_DIR / "eval_en.txt",
@@ -99,9 +100,8 @@ def check_data_path(path: Path) -> None:
     end)."""
     if not os.path.lexists(path):
         return
-    if path.is_symlink() and not path.exists():
-        raise ConversionError(f"data '{path}' is a symbolic link to '{os.readlink(path)}', which does not exist; fix "
-                              "the link or pass the text file itself")
+    if (broken := broken_link(path)) is not None:
+        raise ConversionError(f"data '{path}' is {broken}; fix the link or pass the text file itself")
     if not (path.is_file() or path.is_dir()):
         raise ConversionError(f"data '{path}' is not a regular file (a pipe, device or socket), which is never read; "
                               "save the text to a file and pass that")

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from tlm_io.errors import RecipeError, one_line
+from tlm_io.outputs import broken_link
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
 MAX_RECIPE_DEPTH = 100  # [ / { nesting; recipes nest a few levels
@@ -76,9 +77,8 @@ def _read(path: Path) -> bytes:
     what it is instead (missing, a dangling link, a folder, a pipe or device, too large)."""
     if not os.path.lexists(path):
         raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
-    if path.is_symlink() and not path.exists():
-        raise RecipeError(f"recipe '{path}' is a symbolic link to '{os.readlink(path)}', which does not exist; fix "
-                          "the link or pass the YAML recipe file")
+    if (broken := broken_link(path)) is not None:
+        raise RecipeError(f"recipe '{path}' is {broken}; fix the link or pass the YAML recipe file")
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.y*ml"))[:3]
         hint = f" (it holds {', '.join(found)})" if found else ""
