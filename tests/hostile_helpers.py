@@ -19,22 +19,23 @@ def source(tmp_path_factory) -> Path:
     return make_source(tmp_path_factory.mktemp("hostile") / "llama", "llama", tokenizer=tiny_tokenizer())
 
 
+def _finished_run(tmp_path_factory, steps: int) -> Path:
+    tmp = tmp_path_factory.mktemp(f"hostile-run{steps}")
+    res = _tlm(["train", _write_recipe(tmp, _tiny_recipe(tmp, train={"max_steps": steps})), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    return tmp / "run"
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished 3-step run folder (checkpoint-3, final/), copied by the tests that resume it."""
-    tmp = tmp_path_factory.mktemp("hostile-run")
-    res = _tlm(["train", _write_recipe(tmp, _tiny_recipe(tmp, train={"max_steps": 3})), "--no-progress"])
-    assert res.exit_code == 0, res.output
-    return tmp / "run"
+    return _finished_run(tmp_path_factory, 3)
 
 
 @pytest.fixture(scope="module")
 def trained6(tmp_path_factory) -> Path:
     """A finished 6-step run folder (checkpoint-3, checkpoint-6, final/), copied by the tests that damage it."""
-    tmp = tmp_path_factory.mktemp("hostile-run6")
-    res = _tlm(["train", _write_recipe(tmp, _tiny_recipe(tmp, train={"max_steps": 6})), "--no-progress"])
-    assert res.exit_code == 0, res.output
-    return tmp / "run"
+    return _finished_run(tmp_path_factory, 6)
 
 
 def listing(folder: Path) -> dict[str, bytes | None]:

@@ -362,7 +362,7 @@ def test_a_folder_given_as_the_recipe_is_named(tmp_path):
 def test_a_recipe_that_is_a_pipe_is_never_read(tmp_path):
     os.mkfifo(tmp_path / "r.yaml")
     line = _train(tmp_path, tmp_path / "r.yaml")
-    assert "is not a regular file (a pipe, device or socket), which is never read" in line, line
+    assert "r.yaml' is not a regular file (a device, pipe or socket), which is never read" in line, line
 
 
 def test_a_recipe_that_is_a_dangling_link_is_named(tmp_path):

@@ -153,7 +153,7 @@ def test_a_manifest_that_is_a_link_is_damage(run, tmp_path):
 
 def test_a_giant_manifest_is_not_read(run, tmp_path):
     sparse(run / "checkpoint-6" / "manifest.json", 40 << 20, b'{"format": 2, "files": {')
-    _falls_back(run, tmp_path, "manifest.json cannot be read (ValueError)")
+    _falls_back(run, tmp_path, "manifest.json' is 40.0 MiB, more than the 16.0 MiB such a file can take")
 
 
 def test_a_checkpoint_folder_that_is_a_link_is_damage(run, tmp_path, trained6):
@@ -234,8 +234,7 @@ def test_an_oversized_optimizer_state_is_refused_not_read(run, tmp_path):
     shutil.copytree(run, tmp_path / "run", symlinks=True)
     recipe = _tiny_recipe(tmp_path, train={"max_steps": 7})
     line = _one_error_line(_tlm(["train", _write_recipe(tmp_path, recipe), "--no-progress", "--resume"]))
-    assert "cannot resume from" in line and "optimizer.json cannot be read (ValueError" in line, line
-    assert "more than 67108864" in line, line
+    assert "cannot resume from" in line and "optimizer.json' is 65.0 MiB, more than the 64.0 MiB" in line, line
 
 
 def test_a_damaged_checkpoint_is_damage_with_every_other_checkpoint_damaged_too(run):

@@ -496,3 +496,13 @@ def test_compare_never_replaces_a_users_report(tmp_path):
     line = _one_error_line(_tlm(["compare", tmp_path / "compare.yaml", "--no-progress"]))
     assert f"{out / 'compare.md'} exists and was not written by tapered-lm" in line, line
     assert sorted(p.name for p in out.iterdir()) == ["compare.md"]  # no run was started
+
+
+def test_a_write_error_while_saving_names_the_file(tmp_path):
+    """Any OSError of the save phase (here permission denied) is one line naming the file, not a traceback."""
+    from tlm_io.outputs import save_errors
+
+    failed = tmp_path / ".out.tmp-x" / "model.safetensors"
+    with pytest.raises(ConversionError, match=rf"cannot write {failed}: Permission denied; nothing was published"):
+        with save_errors(tmp_path / "out"):
+            raise PermissionError(13, "Permission denied", str(failed))

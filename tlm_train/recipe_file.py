@@ -6,13 +6,13 @@ RecipeError naming the file."""
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tlm_io.errors import RecipeError, one_line
+from tlm_io.bounded import read_bounded
+from tlm_io.errors import ConversionError, RecipeError, one_line
 from tlm_io.outputs import broken_link
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
@@ -83,23 +83,13 @@ def _read(path: Path) -> bytes:
         found = sorted(p.name for p in path.glob("*.y*ml"))[:3]
         hint = f" (it holds {', '.join(found)})" if found else ""
         raise RecipeError(f"recipe '{path}' is a folder{hint}; pass the YAML recipe file itself")
+    if path.is_file() and path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
+                          "pass the YAML recipe file")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise RecipeError(f"recipe '{path}' cannot be read ({err.strerror or err}); check it") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RecipeError(f"recipe '{path}' is not a regular file (a pipe, device or socket), which is never "
-                              "read; pass the YAML recipe file")
-        if info.st_size > MAX_RECIPE_BYTES:
-            raise RecipeError(f"recipe '{path}' is {info.st_size >> 20} MiB, not a recipe (they are a few KB); "
-                              "pass the YAML recipe file")
-        data = f.read(MAX_RECIPE_BYTES + 1)
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe '{path}' grew beyond {MAX_RECIPE_BYTES >> 20} MiB while being read; pass the "
-                          "YAML recipe file")
-    return data
+        return read_bounded(path, MAX_RECIPE_BYTES, "recipe", fix="pass the YAML recipe file")  # a pipe or device is never opened for reading
+    except ConversionError as err:
+        raise RecipeError(str(err)) from None
 
 
 def _flow_depth(text: str) -> int:

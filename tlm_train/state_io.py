@@ -25,10 +25,12 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from tlm_io.errors import StateError
+from tlm_io.bounded import read_bounded
+from tlm_io.errors import ConversionError, StateError
 
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists a few dozen files
+DAMAGED = "the checkpoint is damaged"
 MAX_STATE_BYTES = 64 << 20  # trainer_state.json and the JSON halves of the optimizer, scheduler and RNG states
 FORMAT = 2  # 1: the pickled .pt files of the first versions; 2: JSON + safetensors with a manifest
 _TENSOR, _ARRAY, _TUPLE, _DICT = "__tensor__", "__ndarray__", "__tuple__", "__dict__"
@@ -192,9 +194,11 @@ def read_manifest(folder: Path) -> dict[str, dict] | str:
     if problem is not None:
         return problem
     try:
-        data = json.loads(_read_at_most(folder / MANIFEST, MAX_MANIFEST_BYTES))
+        data = json.loads(read_bounded(folder / MANIFEST, MAX_MANIFEST_BYTES, "manifest", fix=DAMAGED))
         files = data["files"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+    except ConversionError as err:
+        return str(err)
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         return f"{MANIFEST} cannot be read ({type(err).__name__})"
     if not isinstance(files, dict):
         return f"{MANIFEST} is malformed (its files are a {type(files).__name__}, not a mapping)"
@@ -249,27 +253,14 @@ def listed(folder: Path) -> set[str] | None:
     return set(files)
 
 
-def _read_at_most(file: Path, limit: int) -> bytes:
-    """The bytes of the regular file ``file`` (no link followed, never a FIFO), refused above ``limit``."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{file.name} is not a regular file")
-        if info.st_size > limit:
-            raise ValueError(f"{file.name} is {info.st_size} bytes, more than {limit}")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{file.name} is larger than {limit} bytes")
-    return data
-
-
 def read_json_state(file: Path, limit: int = MAX_STATE_BYTES):
-    """A JSON state file of a checkpoint (no link followed, never a FIFO, at most ``limit`` bytes); StateError
-    naming it otherwise."""
+    """A JSON state file of a checkpoint (a regular file, never a FIFO, at most ``limit`` bytes; the manifest check
+    has refused links before); StateError naming it otherwise."""
     try:
-        return json.loads(_read_at_most(Path(file), limit))
-    except (OSError, ValueError, RecursionError) as err:
+        return json.loads(read_bounded(file, limit, "checkpoint state", fix=DAMAGED))
+    except ConversionError as err:
+        raise StateError(str(err)) from None
+    except (ValueError, RecursionError) as err:
         raise StateError(f"{file} cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
 
 
