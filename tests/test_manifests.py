@@ -117,9 +117,16 @@ def test_a_resume_from_a_manifest_that_reaches_outside_falls_back_end_to_end(run
 
 def test_a_manifest_entry_naming_a_fifo_never_blocks_the_resume(run, tmp_path):
     """Issue case: an entry naming a FIFO blocked the resume forever."""
+    import threading
+
     run = Path(shutil.copytree(run, tmp_path / "run"))
     os.mkfifo(run / "checkpoint-6" / "pipe")
-    _list_extra(run / "checkpoint-6", "pipe")
+    _list_extra(run / "checkpoint-6", "pipe", size=0)  # a size that matches: only opening it would tell
+    found = []
+    judge = threading.Thread(target=lambda: found.append(checkpoint_problem(run / "checkpoint-6")), daemon=True)
+    judge.start()
+    judge.join(timeout=30)  # opening the FIFO would wait for a writer forever
+    assert found and "pipe is not a regular file" in found[0], found
     res = resume(run, tmp_path, 5)
     assert res.exit_code == 0, res.output
     assert "pipe is not a regular file (a folder, pipe or device)" in res.output, res.output

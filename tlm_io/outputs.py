@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -438,24 +439,22 @@ def tool_version() -> str:
 def write_marker(folder: str | os.PathLike, tool: str, kind: str = OUTPUT) -> None:
     """Write :data:`MARKER` into ``folder``: ``tool`` and this version; for an :data:`OUTPUT`, the entries ``folder``
     holds now (write it last), which is what a later ``--overwrite`` or prune may delete."""
-    folder = Path(folder)
-    data = {"tool": tool, "version": tool_version(), "kind": kind}
-    if kind == OUTPUT:
-        data["files"] = sorted(name for name in os.listdir(folder) if name != MARKER)
-    path = folder / MARKER
-    if path.is_symlink():
-        path.unlink()
-    path.write_text(json.dumps(data) + "\n")
+    names = [name for name in os.listdir(folder) if name != MARKER] if kind == OUTPUT else None
+    _write_marker(Path(folder), tool, kind, names)
 
 
 def add_to_marker(folder: str | os.PathLike, tool: str, names) -> None:
     """Record ``names`` (files a command just wrote into ``folder``, which may hold other files) in its marker."""
-    folder = Path(folder)
-    marker = read_marker(folder) or {}
-    listed = set(marker.get("files") or ()) | set(names)
-    data = {"tool": tool, "version": tool_version(), "kind": OUTPUT, "files": sorted(listed)}
+    listed = set((read_marker(folder) or {}).get("files") or ()) | set(names)
+    _write_marker(Path(folder), tool, OUTPUT, listed)
+
+
+def _write_marker(folder: Path, tool: str, kind: str, names) -> None:
+    data = {"tool": tool, "version": tool_version(), "kind": kind}
+    if names is not None:
+        data["files"] = sorted(names)
     path = folder / MARKER
-    if path.is_symlink():
+    if path.is_symlink():  # replaced, never written through
         path.unlink()
     path.write_text(json.dumps(data) + "\n")
 
@@ -463,8 +462,6 @@ def add_to_marker(folder: str | os.PathLike, tool: str, names) -> None:
 def read_marker(folder: str | os.PathLike) -> dict | None:
     """The marker of ``folder`` (a JSON object), None when it has none: a link, a non-file or a malformed marker
     counts as none (a marker is trusted only as this package writes it)."""
-    import stat
-
     path = Path(folder) / MARKER
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -550,16 +547,14 @@ def _is_report(file: Path, keys: tuple[str, ...]) -> bool:
 
 # ============================================================================================== run folders
 
-RUN_MARKER = MARKER  # written first into a folder a run owns (a training output_dir), kind RUN
-
 
 def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output_dir",
                      not_inside: str | os.PathLike | None = None) -> None:
     """Refuse a folder a run would write into and clean up unless it is new, empty, or a previous run's.
 
-    ``ours`` is a regular expression of the entry names such a run writes (its marker :data:`RUN_MARKER` always
-    counts). A folder with :data:`RUN_MARKER` is a previous run's; one without is accepted only when every entry
-    matches ``ours``. ``/``, the home folder and the folder of ``not_inside`` (the recipe file) are always refused."""
+    ``ours`` is a regular expression of the entry names such a run writes. A folder whose :data:`MARKER` is of kind
+    :data:`RUN` (or with the :data:`LEGACY_RUN_MARKER`) is a previous run's, one with another command's marker is
+    refused, one without is accepted only when every entry matches ``ours``. ``/``, the home folder and the folder of ``not_inside`` (the recipe file) are always refused."""
     path = Path(folder).expanduser().absolute()
     real = resolved(path, f"{option} {folder}", option)
     if real == Path(real.anchor) or real == Path.home().resolve():
@@ -591,7 +586,8 @@ def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output
 
 
 def mark_run_folder(folder: str | os.PathLike) -> None:
-    """Create ``folder`` if needed and write :data:`RUN_MARKER` into it (what :func:`check_run_folder` trusts)."""
+    """Create ``folder`` if needed and write its :data:`MARKER` of kind :data:`RUN` (what :func:`check_run_folder`
+    trusts)."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     if (read_marker(path) or {}).get("kind") != RUN:
@@ -674,7 +670,7 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "RUN_MARKER", "MARKER", "LEGACY_RUN_MARKER", "RUN", "OUTPUT", "write_marker", "add_to_marker",
+__all__ = ["OutputLock", "MARKER", "LEGACY_RUN_MARKER", "RUN", "OUTPUT", "write_marker", "add_to_marker",
            "read_marker", "replace_problem", "check_files_owned", "resolved", "broken_link", "tool_version", "output_run", "check_output_given",
            "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",

@@ -26,7 +26,7 @@ import torch
 
 from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
 from tlm_io.export import export_model
-from tlm_io.outputs import (RUN_MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+from tlm_io.outputs import (MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
                             publish, replace_problem, save_errors, write_marker)
 
 from . import state_io
@@ -99,8 +99,8 @@ def discard_new_folder(out: Path, refused: bool = False) -> None:
             for path in out.iterdir():
                 if re.fullmatch(_OWNED, path.name) and not path.is_symlink():
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if set(os.listdir(out)) <= {RUN_MARKER}:
-            (out / RUN_MARKER).unlink(missing_ok=True)
+        if set(os.listdir(out)) <= {MARKER}:
+            (out / MARKER).unlink(missing_ok=True)
             out.rmdir()
     except OSError:
         pass
