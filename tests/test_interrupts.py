@@ -206,25 +206,48 @@ def test_tlm_train_is_one_line_when_stopped_while_starting(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
 
 
-@pytest.mark.parametrize("process, installed", [("MainProcess", "True"), ("SpawnPoolWorker-1", "False")])
-def test_only_the_command_itself_installs_the_start_up_handler(process, installed):
+@pytest.mark.parametrize("process, handlers", [("MainProcess", "start-up start-up"), ("SpawnPoolWorker-1", "ignored default")])
+def test_only_the_command_itself_installs_the_start_up_handler(process, handlers):
     """multiprocessing's spawn imports the main module (the launcher) again in each worker: only the main process
-    installs the start-up handler, so one Ctrl-C is one line, not one per worker."""
+    installs the start-up handler; a worker ignores SIGINT (a Ctrl-C reaches the whole group), so one Ctrl-C is one
+    line, not a traceback per worker."""
     code = (f"import multiprocessing, signal, sys; multiprocessing.current_process().name = {process!r}; "
             "sys.argv = ['/usr/bin/tlm-convert']; import tlm_cli.launch; "
-            "print(signal.getsignal(signal.SIGINT) is not signal.default_int_handler, "
-            "signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL)")
+            "name = lambda h: {signal.SIG_IGN: 'ignored', signal.SIG_DFL: 'default'}.get(h, 'start-up'); "
+            "print(name(signal.getsignal(signal.SIGINT)), name(signal.getsignal(signal.SIGTERM)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
-    assert done.stdout.split() == [installed, installed], done
+    assert done.stdout.split() == handlers.split(), done
 
 
-def test_a_signal_after_the_command_has_finished_changes_nothing():
-    """Once the command is done (its output written), a late Ctrl-C or SIGTERM does not turn its exit into 130/143."""
-    code = ("import os, signal, sys; from tlm_cli import launch; launch.stop_while_starting(); "
-            "launch._run(lambda: None); os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM); "
-            "print('done')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
-    assert done.returncode == 0 and done.stdout == "done\n" and done.stderr == "", done
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+@pytest.mark.skipif(not PROC, reason="reads /proc")
+def test_ctrl_c_to_tokenize_and_its_worker_processes_is_one_line(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group: tlm tokenize's pool workers ignore it, the command
+    stops them and prints its one line (the workers printed a traceback each)."""
+    recipe = _tiny_recipe(tmp_path, data={"num_proc": 2, "train": str(tmp_path / "big.txt")})
+    (tmp_path / "big.txt").write_text(DATA.read_text() * 200)
+    proc = subprocess.Popen([sys.executable, "-m", "tlm_cli", "tokenize", _write_recipe(tmp_path, recipe)], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while proc.poll() is None and len(_children(proc.pid)) < 2:  # the pool's workers are there
+            time.sleep(0.005)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "error: stopped by SIGINT; the shards written so far are kept; run it again to continue\n", err
 
 
 # ============================================================================ Ctrl-C inside a command

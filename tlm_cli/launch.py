@@ -6,7 +6,9 @@ do) makes SIGINT and SIGTERM end the process at once with one ``error: stopped b
 was written`` line and status 130/143: while the commands' modules are imported (seconds of torch and transformers)
 nothing is written yet, so nothing needs cleaning up, and no KeyboardInterrupt traceback of a half-imported library
 is shown. Once a command runs, its own handlers take over (tlm_cli.common.stop_on_signals: its clean-up, then its
-one line); when it has finished, a late signal is ignored while the process exits.
+one line); when it has finished, a late signal is ignored while the process exits. A worker that multiprocessing's
+spawn starts for a command (``tlm compare --jobs``) imports this module too: it ignores SIGINT, which a Ctrl-C sends
+to every process of the terminal's group, and leaves the one line to the command.
 
 Importing torch and transformers' model code takes 5-8 s on a small machine; a config with ``num_hidden_layers:
 10000000`` should not wait for it. :func:`preflight` reads what every checkpoint folder, .gguf file and YAML recipe
@@ -33,22 +35,25 @@ def stop_while_starting() -> None:
         signal.signal(signum, _stopped_while_starting)
 
 
-def _started_as_command() -> bool:
-    """True when this process is a console command (``tlm``, ``tlm-convert``, ``python -m tlm_cli``, ``tlm_convert``,
-    ``tlm_train``) and not a worker that multiprocessing's spawn started (it imports the main module again; its
-    parent reports) nor a program that imports this module."""
-    mp = sys.modules.get("multiprocessing")
-    if mp is not None and mp.current_process().name != "MainProcess":
-        return False
+def _started_as() -> str | None:
+    """"command" when this process is a console command (``tlm``, ``tlm-convert``, ``python -m tlm_cli``,
+    ``tlm_convert``, ``tlm_train``), "worker" in a process multiprocessing's spawn started for one (it imports the
+    main module again), None in a program that imports this module."""
     script = os.path.basename(sys.argv[0] if sys.argv else "")
     name = os.path.splitext(script)[0]
     if name == "__main__":
         name = os.path.basename(os.path.dirname(sys.argv[0]))
-    return name in ("tlm", "tlm-convert", "tlm_cli", "tlm_convert", "tlm_train")
+    if name not in ("tlm", "tlm-convert", "tlm_cli", "tlm_convert", "tlm_train"):
+        return None
+    mp = sys.modules.get("multiprocessing")
+    return "worker" if mp is not None and mp.current_process().name != "MainProcess" else "command"
 
 
-if _started_as_command():  # before the imports below: a Ctrl-C a moment after start-up is one line too
+_ROLE = _started_as()
+if _ROLE == "command":  # before the imports below: a Ctrl-C a moment after start-up is one line too
     stop_while_starting()
+elif _ROLE == "worker":  # a Ctrl-C reaches every process of the group: the command stops its pool and says so
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 from collections.abc import Mapping  # noqa: E402 - after the handlers
 from pathlib import Path  # noqa: E402
