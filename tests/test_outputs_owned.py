@@ -248,21 +248,34 @@ def test_overwrite_refuses_an_output_with_a_file_added(source, converted, tmp_pa
     assert listing(out) == before
 
 
-def test_overwrite_recognises_an_output_of_an_earlier_version(source, converted, tmp_path):
-    """No marker (written before it existed): conversion_report.json beside config.json and only such files."""
+@pytest.mark.parametrize("kind", ["tlm", "healed", "gguf"])
+def test_overwrite_recognises_an_output_of_an_earlier_version(source, converted, tmp_path, kind):
+    """No marker (written before it existed): conversion_report.json beside config.json (or model.gguf) and only
+    such files (a healed one's heal/ log folder included)."""
     out = Path(shutil.copytree(converted, tmp_path / "out"))
     (out / MARKER).unlink()
+    if kind == "healed":
+        (out / "heal").mkdir()
+        (out / "heal" / "metrics.jsonl").write_text('{"step": 1}\n')
+    elif kind == "gguf":
+        for file in out.glob("*.*"):
+            if file.name not in ("conversion_report.json", "report.md", "widths.png"):
+                file.unlink()
+        (out / "model.gguf").write_bytes(b"GGUF")
     res = _overwrite(source, out)
     assert res.exit_code == 0, res.output
     assert read_marker(out)["tool"] == "tlm-convert"
 
 
-@pytest.mark.parametrize("stranger", ["folder", "link", "notes"])
+@pytest.mark.parametrize("stranger", ["folder", "link", "notes", "notes-in-heal"])
 def test_overwrite_refuses_an_earlier_versions_output_with_a_stranger_inside(source, converted, tmp_path, stranger):
     out = Path(shutil.copytree(converted, tmp_path / "out"))
     (out / MARKER).unlink()
     if stranger == "folder":
         (out / "runs").mkdir()
+    elif stranger == "notes-in-heal":
+        (out / "heal").mkdir()
+        (out / "heal" / "notes.txt").write_text("mine")
     elif stranger == "link":
         (out / "tokenizer.model").symlink_to(tmp_path)
     else:

@@ -45,7 +45,7 @@ from .config_import import (
     unsupported_error,
 )
 from .errors import ConversionError, one_line
-from .gguf_reader import check_gguf, read_gguf_model, read_gguf_tensors
+from .gguf_reader import check_gguf_header, read_gguf_model, read_gguf_tensors
 from .locate import locate
 from .readers import read_state_dict, weight_files
 from .shapes import check_tlm_state_dict, count_params
@@ -147,7 +147,7 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
 
 
 def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
-    check_gguf(file)  # a damaged header is named before transformers misreads it
+    check_gguf_header(file)  # a damaged header is named before transformers misreads it
     hf_config = read_gguf_config(file)
     tensors = read_gguf_tensors(file, hf_config, dtype)
     if tensors is not None:  # read tensor by tensor: no transformers model, no second copy of the weights

@@ -40,7 +40,7 @@ def _reader(path: str, size: int, mtime_ns: int):
 _MIN_TENSOR_INFO, _MIN_KEY_VALUE = 33, 14
 
 
-def check_gguf(file: Path) -> None:
+def check_gguf_header(file: Path) -> None:
     """Refuse (ConversionError naming the file and what is wrong) a .gguf whose header cannot be true: counts of
     tensors or key-value pairs that its size cannot hold, a length that runs past its end, tensor data beyond its
     end, or data that no tensor accounts for (a tensor count that is too small). Reads the 24-byte preamble, then
@@ -177,4 +177,4 @@ def read_gguf_model(file: Path, dtype: torch.dtype):
     return model.config, tensors, getattr(model, "generation_config", None)
 
 
-__all__ = ["GGUFTensors", "check_gguf", "gguf_file", "read_gguf_model", "read_gguf_tensors"]
+__all__ = ["GGUFTensors", "check_gguf_header", "gguf_file", "read_gguf_model", "read_gguf_tensors"]

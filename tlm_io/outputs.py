@@ -423,8 +423,10 @@ _LEGACY_NAMES = re.compile(
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|vocab\.json|merges\.txt"
     r"|added_tokens\.json|chat_template\.jinja|chat_template\.json|spiece\.model"
     r"|trainer_state\.json|manifest\.json|recipe\.yaml|(?:optimizer|scheduler|rng_state_\d+)\.(?:json|safetensors|pt)")
-_LEGACY_SIGNATURES = (("conversion_report.json", "config.json"), ("trainer_state.json", "manifest.json"),
+_LEGACY_SIGNATURES = (("conversion_report.json", "config.json"), ("conversion_report.json", "model.gguf"),
+                      ("trainer_state.json", "manifest.json"),
                       ("trainer_state.json", "optimizer.pt"), ("recipe.yaml", "config.json"))
+_LEGACY_HEAL = ("heal", {"metrics.jsonl", "recipe.yaml", "run_summary.json"})  # a healed conversion's log folder
 
 
 def tool_version() -> str:
@@ -505,12 +507,24 @@ def replace_problem(folder: str | os.PathLike) -> str | None:
         return None
     if not any(set(signature) <= names for signature in _LEGACY_SIGNATURES):
         return f"was not written by tapered-lm (it has no {MARKER} marker)"
-    odd = sorted(name for name in names if not _LEGACY_NAMES.fullmatch(name) or (path / name).is_symlink()
-                 or not (path / name).is_file())
+    odd = sorted(name for name in names if not (_legacy_file(path / name) or _legacy_heal_log(path / name)))
     if odd:
         return (f"has no {MARKER} marker (an earlier version's output?) and holds what no tapered-lm output holds "
                 f"({first_few(odd)})")
     return None
+
+
+def _legacy_file(path: Path) -> bool:
+    return bool(_LEGACY_NAMES.fullmatch(path.name)) and path.is_file() and not path.is_symlink()
+
+
+def _legacy_heal_log(path: Path) -> bool:
+    """``heal/`` of a healed conversion: a real folder of the run's log files, nothing else."""
+    name, files = _LEGACY_HEAL
+    if path.name != name or path.is_symlink() or not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    return all(entry.name in files and entry.is_file() and not entry.is_symlink() for entry in entries)
 
 
 def check_files_owned(folder: str | os.PathLike, names, option: str = "-o",
