@@ -263,3 +263,15 @@ def test_a_file_is_hashed_only_up_to_its_recorded_size():
         f.flush()
         assert state_io.sha256(Path(f.name), block=7, limit=4) == hashlib.sha256(b"01234").hexdigest()
         assert state_io.sha256(Path(f.name)) == hashlib.sha256(b"0123456789" * 1000).hexdigest()
+
+
+def test_a_resume_with_a_lower_max_steps_leaves_its_checkpoint_as_it_was(run, tmp_path):
+    """Resumed at or beyond train.max_steps, a run takes no step and does not write its checkpoint again (with a
+    recipe.yaml whose max_steps is below its step, which the next resume would call damaged)."""
+    before = listing(run / "checkpoint-6")
+    for _ in range(2):
+        res = resume(run, tmp_path, 4)
+        assert res.exit_code == 0 and "damaged" not in res.output, res.output
+        assert json.loads(res.output.strip().splitlines()[-1])["steps"] == 6
+        run = tmp_path / "run"
+    assert listing(run / "checkpoint-6") == before
