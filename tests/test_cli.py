@@ -210,9 +210,12 @@ def test_non_finite_weights(value, streaming, copy_of, tmp_path):
 
 
 def test_existing_output_is_refused_then_replaced_with_overwrite(source, copy_of, tmp_path):
+    from tlm_io.outputs import write_marker
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous run")
+    write_marker(out, "tlm-convert")  # an earlier output of ours (its marker lists keep.txt): --overwrite replaces it
     before_src, before_out = _digest(source), _digest(out)
     result = _run([source, "-o", out, *FAST])
     assert result.exit_code == 1 and "Traceback" not in result.output

@@ -202,6 +202,9 @@ def test_finished_runs_are_collected_not_rerun(study, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "### attention, N+M = 3+4 steps" in res.output and "3+2" not in res.output.split("###")[1]
     assert res.output.count("/1 seeds |") == 3  # the three pairs, over the one seed asked for
+    from tlm_io.outputs import read_marker  # the report files (written above without it) are marked as ours now
+
+    assert {"compare.json", "compare.md"} <= set(read_marker(spec.output_dir)["files"])
 
 
 def _tlm():

@@ -92,9 +92,13 @@ def test_output_inside_the_input_is_refused(source, tmp_path):
 
 
 def _fake_output(folder: Path, tag: str, files: int = 4) -> dict:
+    """An output of ours (its .tapered-lm marker lists its files) with ``files`` small files."""
+    from tlm_io.outputs import write_marker
+
     folder.mkdir(parents=True)
     for i in range(files):
         (folder / f"f{i}.txt").write_text(f"{tag} {i}")
+    write_marker(folder, "tlm-convert")
     return _digest(folder)
 
 

@@ -192,8 +192,11 @@ def test_sources_that_cannot_be_streamed_are_refused(sources, tmp_path):
 
 
 def test_output_is_atomic_when_a_layer_fails(sources, tmp_path):
+    from tlm_io.outputs import MARKER, write_marker
+
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("old output")
+    write_marker(tmp_path / "out", "tlm-convert")  # an earlier output of ours, which --overwrite may replace
 
     def fail(done, total):
         if done == 2:
@@ -202,7 +205,7 @@ def test_output_is_atomic_when_a_layer_fails(sources, tmp_path):
     opts = options_from(low_memory=True, overwrite=True, **OPTS)
     with pytest.raises(RuntimeError, match="boom"):
         convert(str(sources["llama"]), str(tmp_path / "out"), opts, on_layer=fail)
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]  # the old output is untouched
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [MARKER, "keep.txt"]  # the old output, untouched
     assert not _leftovers(tmp_path, "out")
 
 

@@ -63,10 +63,11 @@ def report_failure(err: BaseException, stopped: str = "nothing was written") -> 
 
 
 @contextmanager
-def stop_on_sigterm():
-    """While inside: SIGTERM raises :class:`Stopped` in the main thread (the command's clean-up runs and it prints one
-    line, exit 143) instead of ending the process silently; a second SIGTERM while stopping is ignored. A training run
-    installs its own handler (a checkpoint at the next step) and restores this one."""
+def stop_on_signals():
+    """While inside: SIGTERM and SIGINT raise :class:`Stopped` in the main thread (the command's clean-up runs and it
+    prints one line, exit 143 or 130) instead of ending the process silently or with a traceback; a second signal
+    while stopping is ignored. A training run installs its own handler (a checkpoint at the next step) and restores
+    this one."""
     fired = []
 
     def handler(signum, frame):
@@ -74,15 +75,17 @@ def stop_on_sigterm():
             fired.append(signum)
             raise Stopped(signal.Signals(signum).name)
 
+    signals = (signal.SIGTERM, signal.SIGINT)
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: the default stays
+        previous = {signum: signal.signal(signum, handler) for signum in signals}
+    except ValueError:  # not the main thread: the defaults stay
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -146,10 +149,10 @@ class _OneLineUsageError(click.ClickException):
 
 class OneLineCommand(click.Command):
     """click.Command whose usage errors are one line (click prints usage, a hint and the error otherwise), and which
-    runs under :func:`stop_on_sigterm` (SIGTERM: the command's clean-up, one line, exit 143)."""
+    runs under :func:`stop_on_signals` (SIGTERM or SIGINT: the command's clean-up, one line, exit 143 or 130)."""
 
     def invoke(self, ctx):
-        with stop_on_sigterm():
+        with stop_on_signals():
             return super().invoke(ctx)
 
     def make_context(self, info_name, args, parent=None, **extra):
@@ -161,4 +164,4 @@ class OneLineCommand(click.Command):
 
 
 __all__ = ["DEBUG_ENV", "OneLineCommand", "STOPPED_EXIT", "check_device", "check_positive", "fail", "quiet_libraries",
-           "report_failure", "say", "stop_on_sigterm"]
+           "report_failure", "say", "stop_on_signals"]

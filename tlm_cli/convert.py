@@ -145,8 +145,10 @@ def _summary(report: dict, output: str) -> None:
     click.echo(f"wrote {output} ({report['export']} format)")
     click.echo(f"parameters: {report['params_before']:,} before, {report['params_after']:,} after"
                + (" (equal)" if report["params_before"] == report["params_after"] else ""))
-    click.echo(f"widths: {report['widths_before'][0]} x {len(report['widths_before'])} -> "
-               f"{report['widths_after'][0]} .. {report['widths_after'][-1]} ({report['schedule']})")
+    before = report["widths_before"]  # a TLM source (re-tapering) has widths of its own
+    before = f"{before[0]} x {len(before)}" if len(set(before)) == 1 else f"{before[0]} .. {before[-1]}"
+    click.echo(f"widths: {before} -> {report['widths_after'][0]} .. {report['widths_after'][-1]} "
+               f"({report['schedule']})")
     if "perplexity_before" in report:
         for line in perplexity_lines(report):
             click.echo(f"perplexity {line}")

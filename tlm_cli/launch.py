@@ -1,5 +1,14 @@
-"""The console entry points ``tlm-convert`` and ``tlm``: the sizes the command line's inputs declare are checked
-before the commands' modules are imported.
+"""The console entry points ``tlm-convert`` and ``tlm``: interrupts are one line from the first moment, and the sizes
+the command line's inputs declare are checked before the commands' modules are imported.
+
+Importing this module (the first thing the console scripts and ``python -m tlm_cli``/``tlm_convert``/``tlm_train``
+do) makes SIGINT and SIGTERM end the process at once with one ``error: stopped by SIGINT while starting; nothing
+was written`` line and status 130/143: while the commands' modules are imported (seconds of torch and transformers)
+nothing is written yet, so nothing needs cleaning up, and no KeyboardInterrupt traceback of a half-imported library
+is shown. Once a command runs, its own handlers take over (tlm_cli.common.stop_on_signals: its clean-up, then its
+one line); when it has finished, a late signal is ignored while the process exits. A worker that multiprocessing's
+spawn starts for a command (``tlm compare --jobs``) imports this module too: it ignores SIGINT, which a Ctrl-C sends
+to every process of the terminal's group, and leaves the one line to the command.
 
 Importing torch and transformers' model code takes 5-8 s on a small machine; a config with ``num_hidden_layers:
 10000000`` should not wait for it. :func:`preflight` reads what every checkpoint folder, .gguf file and YAML recipe
@@ -10,16 +19,51 @@ overrides) is left to the command itself, which checks the same sizes again when
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from collections.abc import Mapping
-from pathlib import Path
 
-from tlm_io.errors import ConversionError, RecipeError, TLMError
-from tlm_io.locate import locate
-from tlm_io.sizes import check_model_size, declared_sizes
-from tlm_train.recipe_file import read_recipe_file
 
-from .common import fail
+def _stopped_while_starting(signum, frame) -> None:
+    os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+def stop_while_starting() -> None:
+    """SIGINT and SIGTERM end the process at once with one line (nothing has been written yet)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stopped_while_starting)
+
+
+def _started_as() -> str | None:
+    """"command" when this process is a console command (``tlm``, ``tlm-convert``, ``python -m tlm_cli``,
+    ``tlm_convert``, ``tlm_train``), "worker" in a process multiprocessing's spawn started for one (it imports the
+    main module again), None in a program that imports this module."""
+    script = os.path.basename(sys.argv[0] if sys.argv else "")
+    name = os.path.splitext(script)[0]
+    if name == "__main__":
+        name = os.path.basename(os.path.dirname(sys.argv[0]))
+    if name not in ("tlm", "tlm-convert", "tlm_cli", "tlm_convert", "tlm_train"):
+        return None
+    mp = sys.modules.get("multiprocessing")
+    return "worker" if mp is not None and mp.current_process().name != "MainProcess" else "command"
+
+
+_ROLE = _started_as()
+if _ROLE == "command":  # before the imports below: a Ctrl-C a moment after start-up is one line too
+    stop_while_starting()
+elif _ROLE == "worker":  # a Ctrl-C reaches every process of the group: the command stops its pool and says so
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from collections.abc import Mapping  # noqa: E402 - after the handlers
+from pathlib import Path  # noqa: E402
+
+from tlm_io.errors import ConversionError, RecipeError, TLMError  # noqa: E402
+from tlm_io.locate import locate  # noqa: E402
+from tlm_io.sizes import check_model_size, declared_sizes  # noqa: E402
+from tlm_train.recipe_file import read_recipe_file  # noqa: E402
+
+from .common import fail  # noqa: E402
 
 OUTPUT_OPTIONS = ("-o", "--output")  # their value is written, never read as an input
 
@@ -70,20 +114,31 @@ def preflight(args: list[str]) -> None:
         fail(str(err))
 
 
+def _run(command) -> None:
+    """Run the click ``command``; once it is done, a signal no longer interrupts the exit (its output is written)."""
+    try:
+        command()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+
 def convert_main() -> None:
     """``tlm-convert``."""
+    stop_while_starting()
     preflight(sys.argv[1:])
     from .convert import convert_main as command  # once the sizes have passed
 
-    command()
+    _run(command)
 
 
 def tlm_main() -> None:
     """``tlm``."""
+    stop_while_starting()
     preflight(sys.argv[2:])  # after the subcommand's name
     from .group import tlm_group as group  # lists the commands without importing them
 
-    group()
+    _run(group)
 
 
-__all__ = ["check_input", "convert_main", "preflight", "tlm_main"]
+__all__ = ["check_input", "convert_main", "preflight", "stop_while_starting", "tlm_main"]

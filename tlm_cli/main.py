@@ -20,8 +20,8 @@ from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import check_positions, check_token_ids, load_model
 from tlm_io.locate import resolve_builtin
-from tlm_io.outputs import check_writable_parent
 from tlm_io.harness import accuracy_rows, accuracy_table, check_limit, evaluate_tasks, parse_tasks, require_lm_eval
+from tlm_io.outputs import add_to_marker, check_files_owned, check_writable_parent
 from tlm_io.perplexity import PROTOCOLS, strided_perplexity
 from tlm_io.text import eval_sources, load_text, text_prefix, token_blocks
 from tlm_study.analyze import residual_alignment, save_alignment, suggest_ratio
@@ -153,6 +153,9 @@ def _eval_perplexity(model_path, data, data_format, protocol, seq_len, stride, m
     return lines
 
 
+ALIGNMENT_FILES = ("alignment.json", "alignment.png")  # what tlm analyze -o writes
+
+
 @tlm_main.command("analyze", cls=OneLineCommand)
 @click.argument("model_path")
 @click.option("--data", required=True, help="Text file/folder or 'default-eval' (bundled held-out English).")
@@ -170,8 +173,9 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
         check_positive(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
         if output is not None and Path(output).exists() and not Path(output).is_dir():
             raise ConversionError(f"option -o {output}: exists and is not a folder")
-        if output is not None:  # before the model is loaded: a parent that is a file or read-only
+        if output is not None:  # before the model is loaded: a parent that is a file or read-only, a user's file
             check_writable_parent(Path(output).expanduser().absolute(), option="-o")
+            check_files_owned(output, ALIGNMENT_FILES, "-o", legacy=("alignment.json", ("h", "z", "num_layers")))
         t0 = time.perf_counter()
         model, tokenizer, _ = load_model(model_path, trust_remote_code=trust_remote_code)
         check_positions(model.config, seq_len, model_path)
@@ -186,6 +190,7 @@ def analyze_command(model_path, data, seq_len, max_tokens, batch_size, output, t
         report = {**extra, **result.to_dict()}
         if output is not None:
             json_path, png_path = save_alignment(result, output, extra=extra, title=Path(model_path).name)
+            add_to_marker(output, "tlm analyze", ALIGNMENT_FILES)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err)
     if output is None:
@@ -316,11 +321,20 @@ def compare_command(compare_path, seeds, splits, mixers, jobs, overrides, no_pro
         quiet_libraries()
         check_positive(jobs=jobs)
         spec = select(load_compare(compare_path, list(overrides)), seeds, splits, mixers)
+        check_files_owned(spec.output_dir, _report_files(spec), "output_dir", legacy=(f"{spec.report}.json",
+                                                                                       ("plan", "spec", "studies")))
         studies = run_comparison(spec, progress=not no_progress and jobs == 1, jobs=jobs)
+        add_to_marker(spec.output_dir, "tlm compare", _report_files(spec))
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure becomes one error line
         report_failure(err, stopped="finished runs are kept; run it again to continue")
     click.echo(format_tables(studies, spec))
     click.echo(f"wrote {spec.output_dir}/{spec.report}.json, {spec.report}.md and curves-{spec.report}-*.png")
+
+
+def _report_files(spec) -> list[str]:
+    """The files ``tlm compare`` writes into its output_dir (the curves: those there now)."""
+    curves = sorted(p.name for p in Path(spec.output_dir).glob(f"curves-{spec.report}-*.png"))
+    return [f"{spec.report}.json", f"{spec.report}.md", *curves]
 
 
 __all__ = ["tlm_main"]

@@ -400,7 +400,7 @@ def report_head(src, opts, widths, calib) -> dict:
 def _write_output(out: Path, report: dict, timer, write_model) -> None:
     """``write_model(tmp)`` into a temporary folder next to ``out``, then the report files, then :func:`publish`;
     on any failure the temporary folder is removed and ``out`` is left as it was."""
-    with staged(out) as tmp:
+    with staged(out, "tlm-convert") as tmp:
         write_model(tmp)
         with timer("save"):
             write_plot(report, tmp / "widths.png")  # the plot does not show seconds: drawn first, so they count

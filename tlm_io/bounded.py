@@ -17,11 +17,12 @@ MAX_JSON_BYTES = 64 << 20  # config.json, index and other JSON side files: real 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer file: the largest real tokenizer.json is about 35 MB
 
 
-def read_bounded(file: str | os.PathLike, limit: int, what: str = "file", content: bool = True) -> bytes:
+def read_bounded(file: str | os.PathLike, limit: int, what: str = "file", content: bool = True,
+                 fix: str = "re-download it") -> bytes:
     """The bytes of ``file``, a regular file (a symlink is followed: its target is data too) of at most ``limit``
     bytes, its size checked before anything is read. A pipe, device or socket in its place (which would block or
-    never end) and a larger file are ConversionErrors naming it; nothing is read from them. ``content=False``: the
-    checks only (b"" returned)."""
+    never end) and a larger file are ConversionErrors naming it (and ``fix`` for a file too large); nothing is read
+    from them. ``content=False``: the checks only (b"" returned)."""
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
@@ -34,7 +35,7 @@ def read_bounded(file: str | os.PathLike, limit: int, what: str = "file", conten
                                   "read; replace it with the real file")
         if info.st_size > limit:
             raise ConversionError(f"{what} '{file}' is {human_bytes(info.st_size)}, more than the "
-                                  f"{human_bytes(limit)} such a file can take; it is not a real one: re-download it")
+                                  f"{human_bytes(limit)} such a file can take; it is not a real one: {fix}")
         chunks, left = [], limit + 1 if content else 0
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 24))
@@ -49,8 +50,7 @@ def read_bounded(file: str | os.PathLike, limit: int, what: str = "file", conten
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > limit:  # it grew while being read
-        raise ConversionError(f"{what} '{file}' is larger than the {limit >> 20} MiB such a file can take; "
-                              "re-download it")
+        raise ConversionError(f"{what} '{file}' is larger than the {limit >> 20} MiB such a file can take; {fix}")
     return data
 
 

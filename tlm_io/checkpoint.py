@@ -45,7 +45,7 @@ from .config_import import (
     unsupported_error,
 )
 from .errors import ConversionError, one_line
-from .gguf_reader import read_gguf_model, read_gguf_tensors
+from .gguf_reader import check_gguf_header, read_gguf_model, read_gguf_tensors
 from .locate import locate
 from .readers import read_state_dict, weight_files
 from .shapes import check_tlm_state_dict, count_params
@@ -123,8 +123,13 @@ def _load_folder(path: Path, dtype: torch.dtype) -> Source:
     hf_config = read_hf_config(path, raw)
     weight_files(path)  # "config without weights" before anything is read
     tensors = read_state_dict(path, dtype, SUPPORTED_ARCHITECTURES[model_type])
-    return _from_hf("hf", path, hf_config, tensors, tokenizer_source=tokenizer_folder(path),
-                    generation_config=generation_config_of(path))
+    src = _from_hf("hf", path, hf_config, tensors, tokenizer_source=tokenizer_folder(path),
+                   generation_config=generation_config_of(path))
+    if isinstance(raw.get("auto_map"), dict) and raw["auto_map"]:  # never run: the model is read by its model_type
+        src.notes.append(f"config.json's auto_map ({', '.join(map(str, raw['auto_map'].values()))}) was ignored: the "
+                         f"model is read as {model_type} by tapered-lm's own code, and the folder's Python files are "
+                         "not copied")
+    return src
 
 
 def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
@@ -142,6 +147,7 @@ def _load_tlm(path: Path, dtype: torch.dtype) -> Source:
 
 
 def _load_gguf(file: Path, dtype: torch.dtype) -> Source:
+    check_gguf_header(file)  # a damaged header is named before transformers misreads it
     hf_config = read_gguf_config(file)
     tensors = read_gguf_tensors(file, hf_config, dtype)
     if tensors is not None:  # read tensor by tensor: no transformers model, no second copy of the weights
@@ -164,8 +170,8 @@ def _from_hf(kind: str, path: Path, hf_config, tensors: dict[str, torch.Tensor],
         state_dict = tlm_state_dict_from_hf(hf_config, tensors)
     except ValueError as err:
         detail = one_line(err).removeprefix("checkpoint does not match its config:").strip()
-        raise ConversionError(f"the weights in '{path}' do not match its config: {detail}; re-download the "
-                              "checkpoint or fix config.json") from None
+        fix = "re-download it" if kind == "gguf" else "re-download the checkpoint or fix config.json"
+        raise ConversionError(f"the weights in '{path}' do not match its config: {detail}; {fix}") from None
     return Source(kind=kind, path=str(path), hf_config=hf_config, family=family, tlm_config=tlm_config,
                   state_dict=state_dict, tokenizer_source=tokenizer_source, num_params=count_params(state_dict),
                   generation_config=generation_config, notes=notes)

@@ -129,7 +129,7 @@ def export_checkpoint(model_path, out_dir, fmt: str, weight_type: str | None = N
     state = src.state_dict
     if fmt != "gguf" and weight_type is not None:
         state = {k: v.to(dtypes[weight_type]) if v.is_floating_point() else v for k, v in state.items()}
-    with output_run(out), staged(out) as tmp:
+    with output_run(out), staged(out, "tlm export") as tmp:
         export_model((src.tlm_config, state), tmp, fmt, src, gguf_type=weight_type)
     return out
 

@@ -35,6 +35,51 @@ def _reader(path: str, size: int, mtime_ns: int):
     return GGUFReader(path)
 
 
+# the smallest a header entry can be: a tensor's info is a name (8-byte length, 1 byte), a dimension count (4), one
+# dimension (8), a type (4) and an offset (8); a key-value pair is a key (8 + 1), a value type (4) and 1 value byte
+_MIN_TENSOR_INFO, _MIN_KEY_VALUE = 33, 14
+
+
+def check_gguf_header(file: Path) -> None:
+    """Refuse (ConversionError naming the file and what is wrong) a .gguf whose header cannot be true: counts of
+    tensors or key-value pairs that its size cannot hold, a length that runs past its end, tensor data beyond its
+    end, or data that no tensor accounts for (a tensor count that is too small). Reads the 24-byte preamble, then
+    the header through the gguf package; no tensor data."""
+    import struct
+
+    size = os.stat(file).st_size
+    with open(file, "rb") as f:
+        head = f.read(32)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ConversionError(f"'{file}' cannot be read as GGUF: it does not begin with the GGUF magic (not a GGUF "
+                              "file, or a damaged one); pass a .gguf model file or re-download it")
+    order = "<" if struct.unpack("<I", head[4:8])[0] < 1 << 16 else ">"  # the version tells the byte order
+    n_tensors, n_kv = struct.unpack(order + "QQ", head[8:24])
+    for count, least, what in ((n_tensors, _MIN_TENSOR_INFO, "tensors"), (n_kv, _MIN_KEY_VALUE, "key-value pairs")):
+        if count * least > size:
+            raise ConversionError(f"'{file}' declares {count:,} {what} in its header, more than its {size:,} bytes can "
+                                  "hold: the header is damaged; re-download it")
+    if n_kv and len(head) == 32 and (length := struct.unpack(order + "Q", head[24:32])[0]) > size:
+        raise ConversionError(f"'{file}' says its first key is {length:,} bytes long, longer than the whole file "
+                              f"({size:,} bytes): the header is damaged; re-download it")
+    try:
+        reader = gguf_file(file)
+    except ImportError:
+        return  # no gguf package: the config reader says how to install it
+    except Exception as err:  # the gguf package on a header whose lengths run past the end of the file
+        raise ConversionError(f"'{file}' cannot be read as GGUF: its header or data runs past the end of its {size:,} "
+                              f"bytes (the file is truncated, or a length or count in its header is damaged: "
+                              f"{type(err).__name__}); re-download it") from None
+    tensors = list(reader.tensors)
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=int(reader.data_offset))
+    if end > size:
+        raise ConversionError(f"'{file}' is truncated: its tensors' data ends at byte {end:,}, the file at {size:,}; "
+                              "re-download it")
+    if size - end > max(int(reader.alignment), 32):
+        raise ConversionError(f"'{file}' holds {size - end:,} bytes after the data of the {len(tensors):,} tensors its "
+                              "header declares: the tensor count is damaged (too small); re-download it")
+
+
 def _gguf_llama_name(name: str) -> str | None:
     """The transformers name of a llama GGUF tensor (None for a tensor the Llama block has no place for)."""
     m = _GGUF_BLOCK.fullmatch(name)
@@ -132,4 +177,4 @@ def read_gguf_model(file: Path, dtype: torch.dtype):
     return model.config, tensors, getattr(model, "generation_config", None)
 
 
-__all__ = ["GGUFTensors", "gguf_file", "read_gguf_model", "read_gguf_tensors"]
+__all__ = ["GGUFTensors", "check_gguf_header", "gguf_file", "read_gguf_model", "read_gguf_tensors"]

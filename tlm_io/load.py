@@ -19,6 +19,7 @@ from tlm.modules import RotaryEmbedding, rope_inv_freq
 from .checkpoint import load_source
 from .errors import ConversionError
 from .gguf_export import restore_digit_split
+from .gguf_reader import check_gguf_header
 from .locate import resolve_builtin
 from .remote_code import auto_tokenizer
 from .tokenizer_source import tokenizer_files
@@ -55,6 +56,8 @@ def load_tokenizer(source, trust_remote_code: bool = False):
     if found is None:
         raise ConversionError(f"{where} has no tokenizer files; add the source tokenizer to the folder")
     path, kwargs = found
+    if "gguf_file" in kwargs:
+        check_gguf_header(Path(path) / kwargs["gguf_file"])  # a damaged header named before transformers misreads it
     tokenizer = auto_tokenizer(path, **kwargs)
     if "gguf_file" in kwargs:
         restore_digit_split(tokenizer, Path(path) / kwargs["gguf_file"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import ConversionError, one_line
 from .hub import offline
+from .outputs import broken_link
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -50,6 +51,11 @@ def locate(source: str | os.PathLike, download: bool = True) -> Path:
     local path is downloaded, or refused without ``download`` (the low-memory policy streams local files only)."""
     text = os.fspath(source)
     path = Path(os.path.expanduser(text))
+    if (broken := broken_link(path)) is not None:
+        raise ConversionError(f"'{text}' is {broken}; fix the link or pass the model folder or .gguf file itself")
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise ConversionError(f"'{text}' is not a regular file or folder (a pipe, device or socket), which is never "
+                              "read; pass the model folder or .gguf file")
     if not path.exists():
         if not (HUB_ID.fullmatch(text) and ".." not in text):
             raise ConversionError(f"path '{text}' does not exist; pass a transformers model folder, a .gguf file, a "

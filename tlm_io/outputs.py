@@ -19,6 +19,9 @@ here:
   with :func:`clean_stale` restoring the old one if a kill falls between the two renames), then deletes the old.
 * :func:`save_errors` turns a full disk or any other OSError of the save phase into one line: what, where, how
   much was needed.
+* :data:`MARKER` (``.tapered-lm``, a few bytes of JSON: tool, version, kind and the entries written) is in every
+  folder a command writes; :func:`replace_problem` says why a folder may not be replaced or pruned (no marker, or
+  entries the marker does not list), so ``--overwrite``, a publish and a checkpoint prune touch only our own output.
 
 Library code raises :class:`~tlm_io.errors.ConversionError`; the command line prints it.
 """
@@ -33,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -60,7 +64,7 @@ def check_output_path(source: str | os.PathLike | None, output: str | os.PathLik
     has none and never replaces one).
     """
     out = Path(output).expanduser().absolute()
-    target = out.resolve()
+    target = resolved(out, f"output {output}", option)
     if source is not None and Path(source).expanduser().exists():
         src = Path(source).expanduser().resolve()
         if target == src:
@@ -72,13 +76,59 @@ def check_output_path(source: str | os.PathLike | None, output: str | os.PathLik
             raise ConversionError(f"output {output} lies inside the input {source}, which is never modified; choose "
                                   f"an {option} outside it")
     if os.path.lexists(out):
+        if out.is_symlink():
+            raise ConversionError(_link_problem(out, output, option))
         if not overwrite:
             hint = f"pass {overwrite_flag} or " if overwrite_flag else ""
             raise ConversionError(f"output {output} already exists; {hint}choose another {option}"
                                   + ("" if overwrite_flag else " (this command never replaces an existing folder)"))
         if not target.is_dir():
             raise ConversionError(f"output {output} exists and is not a folder; remove it or choose another {option}")
+        problem = replace_problem(out)
+        if problem is not None:
+            raise ConversionError(f"output {output} {problem}, and {overwrite_flag} replaces only a folder tapered-lm "
+                                  f"wrote: move it away or choose another {option}")
     check_writable_parent(out, option)
+
+
+def broken_link(path: str | os.PathLike) -> str | None:
+    """For a symbolic link that leads nowhere: "a symbolic link to 'T', which does not exist" (or "..., which loops
+    back to itself"); None for anything else."""
+    path = Path(path)
+    if not path.is_symlink() or path.exists():
+        return None
+    why = "which loops back to itself" if _loops(path) else "which does not exist"
+    return f"a symbolic link to '{os.readlink(path)}', {why}"
+
+
+def _link_problem(out: Path, output, option: str) -> str:
+    """Why an OUTPUT that is a symbolic link is refused: it is dangling, loops, or would replace the link (never
+    the folder it names)."""
+    target = os.readlink(out)
+    if (broken := broken_link(out)) is not None:
+        return f"output {output} is {broken}; remove the link or choose another {option}"
+    return (f"output {output} is a symbolic link to '{target}'; an output is written in place of the link, never "
+            f"through it: pass {option} '{out.resolve()}' itself or choose another {option}")
+
+
+def resolved(path: Path, what: str, option: str = "-o") -> Path:
+    """``path`` with every symbolic link resolved; a link on it that loops is a ConversionError naming the link."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # ELOOP (Python < 3.13 raises RuntimeError)
+        link = next((p for p in reversed([path, *path.parents]) if p.is_symlink() and _loops(p)), path)
+        raise ConversionError(f"{what}: the symbolic link '{link}' on its path loops (it leads back to itself); fix "
+                              f"or remove the link, or choose another {option}") from None
+
+
+def _loops(link: Path) -> bool:
+    try:
+        link.resolve(strict=True)
+    except FileNotFoundError:
+        return False
+    except (OSError, RuntimeError):
+        return True
+    return False
 
 
 def check_output_given(output, option: str = "-o") -> None:
@@ -90,6 +140,9 @@ def check_output_given(output, option: str = "-o") -> None:
 def check_writable_parent(out: Path, option: str = "-o") -> Path:
     """The nearest existing ancestor of ``out``'s parent, checked to be a writable folder; returned."""
     ancestor = existing_ancestor(out.parent)
+    resolved(ancestor, f"cannot create {out}", option)
+    if (broken := broken_link(ancestor)) is not None:
+        raise ConversionError(f"cannot create {out}: '{ancestor}' is {broken}; fix the link or choose another {option}")
     if not ancestor.is_dir():
         raise ConversionError(f"cannot create {out}: '{ancestor}' is a file, not a folder; choose another {option}")
     if not os.access(ancestor, os.W_OK | os.X_OK):
@@ -201,7 +254,7 @@ class OutputLock:
 
     def __init__(self, target: str | os.PathLike, option: str = "-o"):
         # resolved: two names of one folder (a symlink, "..") share one lock
-        self.target = Path(target).expanduser().resolve()
+        self.target = resolved(Path(target).expanduser(), str(target), option)
         self.path = self.target.parent / f".{self.target.name}.lock"
         self.option = option
         self.fd: int | None = None
@@ -354,20 +407,170 @@ def output_run(out: str | os.PathLike, option: str = "-o"):
         raise
 
 
-# ============================================================================================== run folders
+# ============================================================================================== ownership
 
-RUN_MARKER = ".tlm-run"  # written first into a folder a run owns (a training output_dir)
+MARKER = ".tapered-lm"  # in every folder a command writes: {"tool", "version", "kind", "files"}
+LEGACY_RUN_MARKER = ".tlm-run"  # what a training output_dir held before MARKER (still recognised)
+MAX_MARKER_BYTES = 1 << 16
+RUN = "run"  # a training output_dir: its own names only are touched, it is never replaced as a whole
+OUTPUT = "output"  # a folder written whole (a conversion, an export, a checkpoint): replaced whole
+
+# what an output of an earlier version (no MARKER) always held, and nothing else: conversions (conversion_report.json
+# beside the model), checkpoints (trainer_state.json + manifest.json) and a run's final/ (recipe.yaml + config.json)
+_LEGACY_NAMES = re.compile(
+    r"config\.json|generation_config\.json|conversion_report\.json|report\.md|widths\.png|calibration_samples\.txt"
+    r"|model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|model\.gguf|[A-Za-z0-9_]+\.py"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|vocab\.json|merges\.txt"
+    r"|added_tokens\.json|chat_template\.jinja|chat_template\.json|spiece\.model"
+    r"|trainer_state\.json|manifest\.json|recipe\.yaml|(?:optimizer|scheduler|rng_state_\d+)\.(?:json|safetensors|pt)")
+_LEGACY_SIGNATURES = (("conversion_report.json", "config.json"), ("conversion_report.json", "model.gguf"),
+                      ("trainer_state.json", "manifest.json"),
+                      ("trainer_state.json", "optimizer.pt"), ("recipe.yaml", "config.json"))
+_LEGACY_HEAL = ("heal", {"metrics.jsonl", "recipe.yaml", "run_summary.json"})  # a healed conversion's log folder
+
+
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tapered-lm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def write_marker(folder: str | os.PathLike, tool: str, kind: str = OUTPUT) -> None:
+    """Write :data:`MARKER` into ``folder``: ``tool`` and this version; for an :data:`OUTPUT`, the entries ``folder``
+    holds now (write it last), which is what a later ``--overwrite`` or prune may delete."""
+    names = [name for name in os.listdir(folder) if name != MARKER] if kind == OUTPUT else None
+    _write_marker(Path(folder), tool, kind, names)
+
+
+def add_to_marker(folder: str | os.PathLike, tool: str, names) -> None:
+    """Record ``names`` (files a command just wrote into ``folder``, which may hold other files) in its marker."""
+    listed = set((read_marker(folder) or {}).get("files") or ()) | set(names)
+    _write_marker(Path(folder), tool, OUTPUT, listed)
+
+
+def _write_marker(folder: Path, tool: str, kind: str, names) -> None:
+    data = {"tool": tool, "version": tool_version(), "kind": kind}
+    if names is not None:
+        data["files"] = sorted(names)
+    path = folder / MARKER
+    if path.is_symlink():  # replaced, never written through
+        path.unlink()
+    path.write_text(json.dumps(data) + "\n")
+
+
+def read_marker(folder: str | os.PathLike) -> dict | None:
+    """The marker of ``folder`` (a JSON object), None when it has none: a link, a non-file or a malformed marker
+    counts as none (a marker is trusted only as this package writes it)."""
+    path = Path(folder) / MARKER
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MARKER_BYTES:
+            return None
+        data = json.loads(os.read(fd, MAX_MARKER_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or not isinstance(data.get("files", []), list):
+        return None
+    return data
+
+
+def replace_problem(folder: str | os.PathLike) -> str | None:
+    """None when ``folder`` is an output this package wrote, which may be replaced or pruned whole; else why not, as
+    the end of a sentence that begins with the folder's name.
+
+    Ours: its :data:`MARKER` lists every entry it holds (a file someone added is never deleted with it); or, written
+    by an earlier version without the marker, it holds what such an output always held (:data:`_LEGACY_SIGNATURES`)
+    and only regular files of the names such outputs have. A training output_dir is never replaced whole."""
+    path = Path(folder)
+    if path.is_symlink() or not path.is_dir():
+        return "is a symbolic link" if path.is_symlink() else "is not a folder"
+    try:
+        names = set(os.listdir(path))
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    marker = read_marker(path)
+    if marker is None and LEGACY_RUN_MARKER in names or marker is not None and marker.get("kind") == RUN:
+        return "is a training run's output_dir (checkpoints, metrics), which is never replaced whole"
+    if marker is not None and "files" in marker:
+        foreign = sorted(names - set(marker["files"]) - {MARKER})
+        if foreign:
+            return f"holds files tapered-lm did not write there ({first_few(foreign)})"
+        return None
+    if not any(set(signature) <= names for signature in _LEGACY_SIGNATURES):
+        return f"was not written by tapered-lm (it has no {MARKER} marker)"
+    odd = sorted(name for name in names if not (_legacy_file(path / name) or _legacy_heal_log(path / name)))
+    if odd:
+        return (f"has no {MARKER} marker (an earlier version's output?) and holds what no tapered-lm output holds "
+                f"({first_few(odd)})")
+    return None
+
+
+def _legacy_file(path: Path) -> bool:
+    return bool(_LEGACY_NAMES.fullmatch(path.name)) and path.is_file() and not path.is_symlink()
+
+
+def _legacy_heal_log(path: Path) -> bool:
+    """``heal/`` of a healed conversion: a real folder of the run's log files, nothing else."""
+    name, files = _LEGACY_HEAL
+    if path.name != name or path.is_symlink() or not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    return all(entry.name in files and entry.is_file() and not entry.is_symlink() for entry in entries)
+
+
+def check_files_owned(folder: str | os.PathLike, names, option: str = "-o",
+                      legacy: tuple[str, tuple[str, ...]] | None = None) -> None:
+    """Before a command writes the files ``names`` into ``folder`` (which may hold other files): each one that exists
+    must be a plain file its marker lists (a file of the user's of the same name is never replaced). ``legacy``:
+    (a JSON report among ``names``, its keys): a folder without a marker whose report is such a JSON object is the
+    output of an earlier version, and its ``names`` count as ours."""
+    path = Path(folder)
+    if not path.is_dir():
+        return
+    marker = read_marker(path)
+    listed = set((marker or {}).get("files") or ())
+    if marker is None and legacy is not None and _is_report(path / legacy[0], legacy[1]):
+        listed = set(names)
+    for name in names:
+        file = path / name
+        if not os.path.lexists(file) or name in listed and file.is_file() and not file.is_symlink():
+            continue
+        raise ConversionError(f"{file} exists and was not written by tapered-lm (the folder's {MARKER} marker does "
+                              f"not list it); move it away or choose another {option}")
+
+
+def _is_report(file: Path, keys: tuple[str, ...]) -> bool:
+    """True when ``file`` is a plain JSON file (at most 64 MiB) holding an object with ``keys``."""
+    try:
+        if file.is_symlink() or not file.is_file() or file.stat().st_size > 64 << 20:
+            return False
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and all(key in data for key in keys)
+
+
+# ============================================================================================== run folders
 
 
 def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output_dir",
                      not_inside: str | os.PathLike | None = None) -> None:
     """Refuse a folder a run would write into and clean up unless it is new, empty, or a previous run's.
 
-    ``ours`` is a regular expression of the entry names such a run writes (its marker :data:`RUN_MARKER` always
-    counts). A folder with :data:`RUN_MARKER` is a previous run's; one without is accepted only when every entry
-    matches ``ours``. ``/``, the home folder and the folder of ``not_inside`` (the recipe file) are always refused."""
+    ``ours`` is a regular expression of the entry names such a run writes. A folder whose :data:`MARKER` is of kind
+    :data:`RUN` (or with the :data:`LEGACY_RUN_MARKER`) is a previous run's, one with another command's marker is
+    refused, one without is accepted only when every entry matches ``ours``. ``/``, the home folder and the folder of ``not_inside`` (the recipe file) are always refused."""
     path = Path(folder).expanduser().absolute()
-    real = path.resolve()
+    real = resolved(path, f"{option} {folder}", option)
     if real == Path(real.anchor) or real == Path.home().resolve():
         raise ConversionError(f"{option} {folder} is {'/' if real == Path(real.anchor) else 'the home folder'}, "
                               f"which a run never writes into; choose a new folder for {option}")
@@ -383,7 +586,11 @@ def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output
     except OSError as err:
         raise ConversionError(f"{option} {folder} cannot be read ({err.strerror or err}); choose another "
                               f"{option}") from None
-    if RUN_MARKER in names:
+    marker = read_marker(real)
+    if marker is not None and marker.get("kind") != RUN:
+        raise ConversionError(f"{option} {folder} is the output of {marker.get('tool', 'another command')}, not a "
+                              f"training run's folder; choose a new folder for {option}")
+    if marker is not None or LEGACY_RUN_MARKER in names:
         return
     pattern = re.compile(rf"^(?:{ours})$")
     foreign = sorted(name for name in names if not pattern.match(name))
@@ -393,14 +600,12 @@ def check_run_folder(folder: str | os.PathLike, ours: str, option: str = "output
 
 
 def mark_run_folder(folder: str | os.PathLike) -> None:
-    """Create ``folder`` if needed and write :data:`RUN_MARKER` into it (what :func:`check_run_folder` trusts)."""
+    """Create ``folder`` if needed and write its :data:`MARKER` of kind :data:`RUN` (what :func:`check_run_folder`
+    trusts)."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    marker = path / RUN_MARKER
-    if not marker.is_file() or marker.is_symlink():
-        if marker.is_symlink():
-            marker.unlink()
-        marker.write_text(json.dumps({"written_by": "tapered-lm", "pid": os.getpid(), "since": time.time()}) + "\n")
+    if (read_marker(path) or {}).get("kind") != RUN:
+        write_marker(path, "tlm train", RUN)
 
 
 def _remove(path: Path) -> None:
@@ -411,9 +616,10 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def staged(out: Path):
-    """``with staged(out) as tmp:`` write into ``tmp``, a new temporary folder beside ``out``; on success it is
-    published onto ``out`` (:func:`publish`), on any failure removed and ``out`` left as it was."""
+def staged(out: Path, tool: str = "tapered-lm"):
+    """``with staged(out) as tmp:`` write into ``tmp``, a new temporary folder beside ``out``; on success it gets its
+    :data:`MARKER` (``tool``) and is published onto ``out`` (:func:`publish`), on any failure removed and ``out``
+    left as it was."""
     import tempfile
 
     out = Path(out)
@@ -421,6 +627,7 @@ def staged(out: Path):
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp
+        write_marker(tmp, tool)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,8 +638,12 @@ def publish(tmp: Path, out: Path) -> None:
     """Move a finished temporary folder onto ``out``, replacing it atomically, with the usual permissions.
 
     ``tmp`` must be a sibling of ``out`` (same file system). The old output is deleted only after the new one is in
-    place."""
+    place, and only when it is ours (:func:`replace_problem`; checked again here, as files may have been added to
+    it since the run began): otherwise ConversionError, and ``out`` stays as it is."""
     tmp, out = Path(tmp), Path(out)
+    if os.path.lexists(out) and (problem := replace_problem(out)) is not None:
+        raise ConversionError(f"{out} {problem}, so it was not replaced; move it away and run again, or choose "
+                              "another output")
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp creates 0700
@@ -473,7 +684,8 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-__all__ = ["OutputLock", "RUN_MARKER", "output_run", "check_output_given",
+__all__ = ["OutputLock", "MARKER", "LEGACY_RUN_MARKER", "RUN", "OUTPUT", "write_marker", "add_to_marker",
+           "read_marker", "replace_problem", "check_files_owned", "resolved", "broken_link", "tool_version", "output_run", "check_output_given",
            "check_run_folder", "mark_run_folder", "check_output_path", "check_writable_parent", "check_free_space", "clean_stale", "clean_stale_in",
            "exchange", "output_bytes", "publish", "save_error", "save_errors", "is_disk_full", "human_bytes",
            "existing_ancestor", "temp_prefix", "old_prefix", "DTYPE_BYTES"]

@@ -14,12 +14,14 @@ disjoint held-out sample used for perplexity; ``eval-fiction``, ``eval-code``, `
 from __future__ import annotations
 
 import codecs
+import os
 from pathlib import Path
 
 import torch
 
 from .errors import ConversionError, one_line
 from .hub import offline
+from .outputs import broken_link
 
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED = {"default": DATA_DIR / "calibration_mix.txt", "default-eval": DATA_DIR / "eval_en.txt",
@@ -94,6 +96,19 @@ def load_text(source: str | Path, max_chars: int | None = None, data_format: str
     return "\n\n".join(parts)
 
 
+def check_data_path(path: Path) -> None:
+    """A data path that exists in some form must be a file or folder: a dangling symbolic link is named as one (not
+    looked up on the hub), and a pipe, device or socket is refused before it is opened (it would block or never
+    end)."""
+    if not os.path.lexists(path):
+        return
+    if (broken := broken_link(path)) is not None:
+        raise ConversionError(f"data '{path}' is {broken}; fix the link or pass the text file itself")
+    if not (path.is_file() or path.is_dir()):
+        raise ConversionError(f"data '{path}' is not a regular file (a pipe, device or socket), which is never read; "
+                              "save the text to a file and pass that")
+
+
 def _looks_like_path(path: Path, source: str) -> bool:
     """True when ``source`` cannot be a hub dataset name: a data-file suffix, or an absolute/relative path."""
     return (path.suffix.lower() in _BUILDERS or source.startswith(("/", "./", "../", "~", "\\"))
@@ -110,11 +125,16 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def dataset_rows(path: Path, source: str, keep_empty: bool = False):
+    check_data_path(path)
     if path.exists():
         files = (sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
                  if path.is_dir() else [path])
         if not files:
             raise ConversionError(f"no .txt, .jsonl, .json or .parquet files in '{path}'; pass a text file or folder")
+        if all(f.stat().st_size == 0 for f in files):
+            what = f"data file '{path}' is" if files == [path] else f"every data file in '{path}' is"
+            raise ConversionError(f"{what} empty ({', '.join(f.name for f in files[:3])}: 0 bytes); pass a file or "
+                                  "folder with text")
         builders = {_BUILDERS.get(f.suffix.lower()) for f in files}
         if None in builders:
             raise ConversionError(f"unsupported data file '{path.name}': not UTF-8 text; use a text file (any suffix), "

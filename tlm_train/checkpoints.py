@@ -23,16 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from tlm_io.errors import ConversionError, RecipeError, StateError, TrainError, first_few
 from tlm_io.export import export_model
-from tlm_io.outputs import (RUN_MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
-                            publish, save_errors)
+from tlm_io.outputs import (MARKER, OutputLock, check_run_folder, check_writable_parent, clean_stale_in, mark_run_folder,
+                            publish, replace_problem, save_errors, write_marker)
 
 from . import state_io
 from .distributed import Dist, full_optim_state, full_state_dict, load_full_state, unwrap
 from .recipe import Recipe, recipe_from_dict
+from .recipe_file import read_recipe_file
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def discard_new_folder(out: Path, refused: bool = False) -> None:
             for path in out.iterdir():
                 if re.fullmatch(_OWNED, path.name) and not path.is_symlink():
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if set(os.listdir(out)) <= {RUN_MARKER}:
-            (out / RUN_MARKER).unlink(missing_ok=True)
+        if set(os.listdir(out)) <= {MARKER}:
+            (out / MARKER).unlink(missing_ok=True)
             out.rmdir()
     except OSError:
         pass
@@ -119,14 +119,63 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     found = []
     for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*"):
         suffix = p.name[len(CHECKPOINT_PREFIX):]
-        if p.is_dir() and suffix.isdigit() and (p / "trainer_state.json").is_file():
+        if p.is_dir() and suffix.isdigit() and os.path.lexists(p / "trainer_state.json"):  # a damaged one is judged
             found.append((int(suffix), p))
     return [p for _, p in sorted(found)]
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """None when checkpoint ``path`` is complete and intact, else what is wrong with which file."""
-    return state_io.check(path, required=("trainer_state.json", "optimizer.pt", "scheduler.pt"))
+    """None when checkpoint ``path`` is complete and intact, else what is wrong with which file: its files against
+    the manifest (confined to the folder: tlm_train.state_io.check), then its trainer_state.json against its own
+    recipe.yaml (:func:`state_problem`)."""
+    return (state_io.check(path, required=("trainer_state.json", "optimizer.pt", "scheduler.pt"))
+            or state_problem(path))
+
+
+def state_problem(path: Path) -> str | None:
+    """None when ``path``'s trainer_state.json agrees with itself, its folder's name and the recipe.yaml written with
+    it (a step within train.max_steps; tokens, samples and the data position the step and batch layout give); else
+    the first disagreement. A checkpoint of the first format is checked on what it has."""
+    try:
+        state = read_trainer_state(path)
+    except StateError as err:
+        return str(err)
+    step, fp = state["step"], state.get("fingerprint")
+    suffix = path.name[len(CHECKPOINT_PREFIX):]
+    if suffix.isdigit() and int(suffix) != step:
+        return f"trainer_state.json says step {step}, its folder {path.name}"
+    recipe = _saved_recipe(path)
+    train = recipe.get("train") if isinstance(recipe, dict) else None
+    max_steps = train.get("max_steps") if isinstance(train, dict) else None
+    if type(max_steps) is int and step > max_steps:
+        return f"trainer_state.json says step {step:,}, beyond the train.max_steps {max_steps:,} of its recipe.yaml"
+    if not isinstance(fp, dict):
+        return None if "fingerprint" not in state else "trainer_state.json has a malformed fingerprint"
+    batch, seq_len, skip = fp.get("global_batch"), fp.get("seq_len"), fp.get("skip_batches", 0)
+    if not all(type(v) is int and v >= 0 for v in (batch, seq_len, skip)) or batch == 0:
+        return "trainer_state.json has a malformed fingerprint (global_batch, seq_len, skip_batches)"
+    world = state.get("world_size", 1)
+    per_rank = (train.get("batch_size"), train.get("grad_accum", 1)) if isinstance(train, dict) else (None, None)
+    expected = {"tokens": step * batch * seq_len, "samples": step * batch}
+    if all(type(v) is int for v in per_rank) and type(world) is int:
+        expected["world_size"] = batch // max(1, per_rank[0] * per_rank[1])
+    data = state.get("data")
+    if isinstance(data, dict):
+        expected["data.samples"] = (skip + step) * batch
+    for key, want in expected.items():
+        have = data.get("samples") if key == "data.samples" else state.get(key)
+        if have is not None and have != want:
+            return (f"trainer_state.json's {key} is {have!r}, not the {want:,} that step {step:,} gives (a tampered or "
+                    "damaged state)")
+    return None
+
+
+def _saved_recipe(path: Path):
+    """The recipe.yaml written with checkpoint ``path`` as data (None when it has none or it cannot be read)."""
+    try:
+        return read_recipe_file(path / "recipe.yaml") if (path / "recipe.yaml").is_file() else None
+    except RecipeError:
+        return None
 
 
 def newest_complete(checkpoints: list[Path]) -> Path:
@@ -145,9 +194,10 @@ def newest_complete(checkpoints: list[Path]) -> Path:
                      "output_dir")
 
 
-def resume_path(out: Path, resume: bool | str | None) -> Path | None:
+def resume_path(out: Path, resume: bool | str | None, max_steps: int | None = None) -> Path | None:
     """The checkpoint a run into ``out`` starts from: None for a new run (refused when ``out`` has checkpoints),
-    the newest complete one for ``resume=True``, else the folder ``resume`` names (checked)."""
+    the newest complete one for ``resume=True``, else the folder ``resume`` names (checked). What the run to
+    ``max_steps`` would replace must be its own (:func:`check_replaceable`)."""
     existing = list_checkpoints(out) if out.exists() else []
     if resume is None or resume is False:
         if existing:
@@ -157,16 +207,41 @@ def resume_path(out: Path, resume: bool | str | None) -> Path | None:
     if resume is True:
         if not existing:
             raise TrainError(f"--resume: no checkpoint-<step> folder in {out}; run without --resume to start")
-        return newest_complete(existing)
+        path = newest_complete(existing)
+        check_replaceable(out, path, max_steps)
+        return path
     path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
+    if not os.path.lexists(path / "trainer_state.json"):
         raise TrainError(f"--resume {path}: not a checkpoint folder (no trainer_state.json); pass a "
                          f"{CHECKPOINT_PREFIX}<step> folder or --resume alone for the latest")
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path.resolve())
     if problem is not None:
         raise TrainError(f"--resume {path}: the checkpoint is incomplete or damaged ({problem}); resume from an "
                          f"earlier {CHECKPOINT_PREFIX}<step> folder, or --resume alone for the newest complete one")
+    check_replaceable(out, path, max_steps)
     return path
+
+
+def check_replaceable(out: Path, start: Path, max_steps: int | None = None) -> None:
+    """A run resumed from ``start`` to ``max_steps`` may replace the checkpoints of ``out`` after its step (up to
+    ``max_steps``) and ``final/``: each must be a folder a run wrote (tlm_io.outputs.replace_problem), or the run is
+    refused now rather than at that save."""
+    step, last = _step_of(start), max_steps if max_steps is not None else float("inf")
+    later = [p for p in _checkpoint_folders(out) if step is not None and step < _step_of(p) <= last]
+    later.append(out / FINAL_DIR)
+    for path in later:
+        if os.path.lexists(path) and (problem := replace_problem(path)) is not None:
+            raise TrainError(f"{path} {problem}; a run resumed from {start.name} replaces it: move it (or what was "
+                             "added to it) away, or start a new output_dir")
+
+
+def _checkpoint_folders(out: Path) -> list[Path]:
+    return sorted((p for p in Path(out).glob(f"{CHECKPOINT_PREFIX}*") if _step_of(p) is not None), key=_step_of)
+
+
+def _step_of(path: Path) -> int | None:
+    suffix = Path(path).name[len(CHECKPOINT_PREFIX):]
+    return int(suffix) if Path(path).name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit() else None
 
 
 # ============================================================================================== belongs to this run?
@@ -195,10 +270,7 @@ def check_recipe(path: Path, recipe: Recipe) -> None:
     may change (:data:`RESUMABLE`: max_steps and the schedule's length, logging, threads, caches); names the differing keys. The
     checkpoint's recipe is read with today's defaults, so a key added to the format since it was written (at its
     default) is no change."""
-    try:
-        theirs = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return  # a checkpoint of the first format, without its recipe: the fingerprint is all there is
+    theirs = _saved_recipe(path)  # None: a checkpoint of the first format, without its recipe
     if not isinstance(theirs, dict):
         return
     try:
@@ -252,22 +324,23 @@ def _brief(value) -> str:
 
 
 def read_trainer_state(path: Path) -> dict:
+    """trainer_state.json of checkpoint ``path`` (bounded, no link followed), its step a non-negative integer."""
     file = path / "trainer_state.json"
-    try:
-        state = json.loads(file.read_text())
-        int(state["step"])
-        return state
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise StateError(f"{file} cannot be read ({type(err).__name__})") from None
+    state = state_io.read_json_state(file)
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
+        raise StateError(f"{file} has no step (a non-negative integer)")
+    return state
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of checkpoint ``path`` (every safetensors file but the optimizer's, scheduler's, RNG's)."""
+    """The model weights of checkpoint ``path``: every safetensors file its manifest lists (all of them in a
+    checkpoint of the first format) but the optimizer's, scheduler's and RNG's."""
     from safetensors.torch import load_file
 
     weights = {}
+    names = state_io.listed(path)
     for file in sorted(path.glob("*.safetensors")):
-        if file.name.startswith(("optimizer", "scheduler", "rng_state_")):
+        if file.name.startswith(("optimizer", "scheduler", "rng_state_")) or names is not None and file.name not in names:
             continue
         try:
             weights.update(load_file(str(file)))
@@ -365,9 +438,9 @@ class CheckpointStore:
         d.barrier()
         if d.main:
             state_io.write_manifest(tmp)  # last: a folder without it (or not matching it) is incomplete
+            write_marker(tmp, "tlm train")
             publish(tmp, final)
-            for old in list_checkpoints(self.out)[: -r.log.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune(list_checkpoints(self.out)[: -r.log.keep_last])
             logger.info("saved %s", final)
         d.barrier()
         return final
@@ -380,9 +453,21 @@ class CheckpointStore:
             tmp.mkdir(parents=True)
             self._write_model(tmp, weights)
             self.recipe.save(tmp / "recipe.yaml")
+            write_marker(tmp, "tlm train")
             publish(tmp, final)
         self.d.barrier()
         return final
+
+    @staticmethod
+    def _prune(old: list[Path]) -> None:
+        """Delete the checkpoints beyond log.keep_last, each only when a run wrote all of it (a folder holding
+        something else is kept, with a warning)."""
+        for path in old:
+            problem = replace_problem(path)
+            if problem is None:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                warnings.warn(f"{path} was kept, not pruned: it {problem}", stacklevel=2)
 
     def _write_model(self, folder: Path, weights: dict) -> None:
         """The weights as a loadable TLM folder (config, safetensors, remote code, tokenizer)."""
@@ -427,6 +512,7 @@ class CheckpointStore:
 
 
 __all__ = ["check_own_files", "discard_new_folder", "CHECKPOINT_PREFIX", "FINAL_DIR", "STOP_FILE", "RESUMABLE", "CheckpointStore", "lock_run_folder",
-           "temp_dir", "list_checkpoints", "checkpoint_problem", "newest_complete", "resume_path", "fingerprint",
+           "temp_dir", "list_checkpoints", "checkpoint_problem", "state_problem", "check_replaceable", "newest_complete",
+           "resume_path", "fingerprint",
            "check_fingerprint", "check_recipe", "data_position", "check_data_position", "read_trainer_state",
            "read_weights", "seed_everything", "rng_state", "set_rng_state"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
-from tlm_io.errors import RecipeError
+from tlm_io.bounded import read_bounded
+from tlm_io.errors import ConversionError, RecipeError, one_line
+from tlm_io.outputs import broken_link
 
 MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB; a larger file is refused before it is read
 MAX_RECIPE_DEPTH = 100  # [ / { nesting; recipes nest a few levels
@@ -47,13 +50,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def read_recipe_file(path: Path) -> Any:
     """The parsed YAML of the recipe file ``path`` (a mapping, for a recipe; None for an empty file)."""
-    if not path.is_file():
-        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
-    if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
-                          "pass the YAML recipe file")
+    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read(path).decode("utf-8")
         if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML would take seconds to find it too deep
             raise RecursionError
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
@@ -64,11 +63,41 @@ def read_recipe_file(path: Path) -> Any:
     except _DuplicateKey as err:
         raise RecipeError(f"recipe '{path}': {err}; keep one of them (a later one would silently replace the "
                           "first)") from None
+    except yaml.constructor.ConstructorError as err:
+        tag = getattr(err, "problem", "") or ""
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        if "tag" in tag:  # !!python/object and other tags a safe loader never builds
+            name = tag.split("tag", 1)[1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+            what = "asks for a Python object, which a recipe never builds" if "python" in name else "is not plain data"
+            raise RecipeError(f"recipe '{path}'{where}: the tag {name} {what} (a recipe is plain YAML data); remove "
+                              "the tag") from None
+        raise RecipeError(f"recipe '{path}'{where}: {one_line(err)}; fix it") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"recipe '{path}' is not valid YAML{where}; fix the syntax") from None
     return data
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the recipe file: a regular file of at most :data:`MAX_RECIPE_BYTES`, or a RecipeError saying
+    what it is instead (missing, a dangling link, a folder, a pipe or device, too large)."""
+    if not os.path.lexists(path):
+        raise RecipeError(f"recipe '{path}' does not exist; pass a YAML recipe file (see recipes/)")
+    if (broken := broken_link(path)) is not None:
+        raise RecipeError(f"recipe '{path}' is {broken}; fix the link or pass the YAML recipe file")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))[:3]
+        hint = f" (it holds {', '.join(found)})" if found else ""
+        raise RecipeError(f"recipe '{path}' is a folder{hint}; pass the YAML recipe file itself")
+    if path.is_file() and path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe '{path}' is {path.stat().st_size >> 20} MiB, not a recipe (they are a few KB); "
+                          "pass the YAML recipe file")
+    try:
+        return read_bounded(path, MAX_RECIPE_BYTES, "recipe", fix="pass the YAML recipe file")  # a pipe or device is never opened for reading
+    except ConversionError as err:
+        raise RecipeError(str(err)) from None
 
 
 def _flow_depth(text: str) -> int:

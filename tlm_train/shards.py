@@ -200,9 +200,11 @@ _WORKER: GroupWriter | None = None
 def _init_worker(writer: GroupWriter) -> None:
     """A pool worker's set-up. SIGTERM goes back to its default: a worker inherits the command's handler (which
     raises, or ignores a second signal), and the pool's terminate() must end its workers, not leave one waiting on
-    the task queue while the command joins it."""
+    the task queue while the command joins it. SIGINT (a Ctrl-C reaches every process of the terminal's group) is
+    ignored: the command stops the pool and prints its one line; a worker would print a traceback."""
     global _WORKER
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = writer
 
 

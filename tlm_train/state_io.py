@@ -19,13 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
+import re
+import stat
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from tlm_io.errors import StateError
+from tlm_io.bounded import read_bounded
+from tlm_io.errors import ConversionError, StateError
 
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists a few dozen files
+DAMAGED = "the checkpoint is damaged"
+MAX_STATE_BYTES = 64 << 20  # trainer_state.json and the JSON halves of the optimizer, scheduler and RNG states
 FORMAT = 2  # 1: the pickled .pt files of the first versions; 2: JSON + safetensors with a manifest
 _TENSOR, _ARRAY, _TUPLE, _DICT = "__tensor__", "__ndarray__", "__tuple__", "__dict__"
 
@@ -104,8 +110,8 @@ def load_state(folder: Path, name: str, map_location: str | torch.device = "cpu"
 
     file = folder / f"{name}.json"
     try:
-        tree = json.loads(file.read_text())["state"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        tree = read_json_state(file)["state"]
+    except (KeyError, TypeError) as err:
         raise StateError(f"{file} cannot be read ({type(err).__name__}: {err})") from None
     file = folder / f"{name}.safetensors"
     try:
@@ -133,11 +139,15 @@ def load_legacy(file: Path, map_location="cpu"):
 # ============================================================================================== manifest
 
 
-def sha256(file: Path, block: int = 1 << 22) -> str:
+def sha256(file: Path, block: int = 1 << 22, limit: int | None = None) -> str:
+    """The SHA-256 of ``file``; with ``limit``, of at most ``limit`` + 1 bytes (a file growing while read differs)."""
     digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(block):
+    left = float("inf") if limit is None else limit + 1
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        while left > 0 and (chunk := f.read(int(min(block, left)))):
             digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
 
 
@@ -153,34 +163,107 @@ def check(folder: Path, required: tuple[str, ...] = ()) -> str | None:
     """None when ``folder`` is complete and intact; else what is wrong, naming the file.
 
     With a manifest every listed file must have its recorded size and checksum; without one (the first format)
-    the ``required`` files must exist and be non-empty."""
+    the ``required`` files must exist and be non-empty. Every name is confined to ``folder``
+    (:func:`entry_problem`: relative, no ``..``, no symbolic link, a regular file) and read only up to its recorded
+    size: a manifest naming ``../../x``, an absolute path or a FIFO marks the checkpoint damaged, and nothing
+    outside it is opened."""
     folder = Path(folder)
-    manifest = folder / MANIFEST
-    if not manifest.exists():
+    if folder.is_symlink():
+        return "the checkpoint folder is a symbolic link, which a run never writes"
+    if not os.path.lexists(folder / MANIFEST):
         for name in required:
-            file = folder / name
-            if not file.is_file() or file.stat().st_size == 0:
-                return f"{name} is missing or empty"
+            problem = entry_problem(folder, name)
+            if problem is None and (folder / name).stat().st_size == 0:
+                problem = f"{name} is empty"
+            if problem is not None:
+                return problem
         return None
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{MANIFEST} cannot be read ({type(err).__name__})"
+    files = read_manifest(folder)
+    if isinstance(files, str):
+        return files
     for name, want in files.items():
-        file = folder / name
-        try:
-            size = file.stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != want["size"]:
-            return f"{name} has {size} bytes, {want['size']} were written"
-        try:
-            if sha256(file) != want["sha256"]:
-                return f"{name} does not match the checksum written with it (changed or damaged)"
-        except OSError as err:
-            return f"{name} cannot be read ({os.strerror(err.errno) if err.errno else err})"
+        problem = entry_problem(folder, name) or _content_problem(folder / name, name, want)
+        if problem is not None:
+            return problem
     return None
 
 
+def read_manifest(folder: Path) -> dict[str, dict] | str:
+    """The ``files`` of ``folder``'s manifest ({name: {"size": int, "sha256": hex}}), or what is wrong with it."""
+    problem = entry_problem(folder, MANIFEST)
+    if problem is not None:
+        return problem
+    try:
+        data = json.loads(read_bounded(folder / MANIFEST, MAX_MANIFEST_BYTES, "manifest", fix=DAMAGED))
+        files = data["files"]
+    except ConversionError as err:
+        return str(err)
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
+        return f"{MANIFEST} cannot be read ({type(err).__name__})"
+    if not isinstance(files, dict):
+        return f"{MANIFEST} is malformed (its files are a {type(files).__name__}, not a mapping)"
+    for name, want in files.items():
+        if not (isinstance(want, dict) and type(want.get("size")) is int and want["size"] >= 0
+                and isinstance(want.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", want["sha256"])):
+            return f"{MANIFEST} is malformed (entry {name!r} is not a size and a SHA-256)"
+    return files
+
+
+def entry_problem(folder: Path, name) -> str | None:
+    """None when ``name`` is a regular file inside ``folder`` reached without a symbolic link; else what it is."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return f"{MANIFEST} lists an entry that is not a file name ({name!r})"
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name:
+        return f"{MANIFEST} names {name!r}, outside the checkpoint folder"
+    path = Path(folder)
+    for part in parts:
+        path = path / part
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return f"{name} is missing"
+        if stat.S_ISLNK(info.st_mode):
+            return f"{name} is a symbolic link, which a checkpoint never holds"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{name} is not a regular file (a folder, pipe or device)"
+    return None
+
+
+def _content_problem(file: Path, name: str, want: dict) -> str | None:
+    size = os.lstat(file).st_size
+    if size != want["size"]:
+        return f"{name} has {size} bytes, {want['size']} were written"
+    try:
+        if sha256(file, limit=size) != want["sha256"]:
+            return f"{name} does not match the checksum written with it (changed or damaged)"
+    except OSError as err:
+        return f"{name} cannot be read ({os.strerror(err.errno) if err.errno else err})"
+    return None
+
+
+def listed(folder: Path) -> set[str] | None:
+    """The names ``folder``'s manifest lists (None for a checkpoint of the first format, without one): what a
+    resume reads, never a file added beside them."""
+    if not os.path.lexists(Path(folder) / MANIFEST):
+        return None
+    files = read_manifest(Path(folder))
+    if isinstance(files, str):
+        raise StateError(f"{Path(folder) / MANIFEST}: {files}")
+    return set(files)
+
+
+def read_json_state(file: Path, limit: int = MAX_STATE_BYTES):
+    """A JSON state file of a checkpoint (a regular file, never a FIFO, at most ``limit`` bytes; the manifest check
+    has refused links before); StateError naming it otherwise."""
+    try:
+        return json.loads(read_bounded(file, limit, "checkpoint state", fix=DAMAGED))
+    except ConversionError as err:
+        raise StateError(str(err)) from None
+    except (ValueError, RecursionError) as err:
+        raise StateError(f"{file} cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
+
+
 __all__ = ["StateError", "save_state", "load_state", "load_legacy", "write_manifest", "check", "MANIFEST",
-           "FORMAT"]
+           "FORMAT", "entry_problem", "listed", "read_json_state", "read_manifest", "MAX_MANIFEST_BYTES",
+           "MAX_STATE_BYTES"]

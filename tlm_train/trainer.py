@@ -142,7 +142,7 @@ class _Run:
             self.stop_requested = False
             self.limits, self.phase = None, TRAINING
             self.refused = False  # by the time budget
-            self.resume_from = resume_path(self.out, resume)
+            self.resume_from = resume_path(self.out, resume, recipe.train.max_steps)
         except BaseException:
             self.release()
             self.discard_new_folder()
@@ -186,6 +186,7 @@ class _Run:
         self.checkpoints = CheckpointStore(self.out, r, d, self.model, self.optimizer, self.scheduler, model.config,
                                            self.tokenizer, self.order, shapes)
         self.step = 0 if self.resume_from is None else self.checkpoints.restore(self.resume_from)
+        self.resumed_at = None if self.resume_from is None else self.step
         self.forward = torch.compile(self.model) if r.train.compile else self.model
 
     def _distillation(self, model) -> Distillation | None:
@@ -292,7 +293,8 @@ class _Run:
         try:
             losses, stopped = self._steps(bar)
             eval_loss = None if stopped else self._log_eval()
-            if stopped or self.given["model"] is None or self.step % r.log.save_every == 0:
+            saved = self.step == self.resumed_at  # no step since the checkpoint it resumed from: written already
+            if (stopped or self.given["model"] is None or self.step % r.log.save_every == 0) and not saved:
                 self.checkpoints.save(self.step)
         finally:
             self.batches = None  # ends the DataLoader's workers
