@@ -186,7 +186,7 @@ class _Run:
         self.checkpoints = CheckpointStore(self.out, r, d, self.model, self.optimizer, self.scheduler, model.config,
                                            self.tokenizer, self.order, shapes)
         self.step = 0 if self.resume_from is None else self.checkpoints.restore(self.resume_from)
-        self.forward = torch.compile(self.model) if r.train.compile else self.model
+        self.forward = self.model  # train.compile: its layers are compiled (prepare_student)
 
     def _distillation(self, model) -> Distillation | None:
         """The teacher side of the loss: the caller's teacher or recipe.distill.teacher, checked against the
