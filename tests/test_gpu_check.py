@@ -218,3 +218,45 @@ def test_the_full_run_refuses_the_cpu_in_one_line():
     proc = subprocess.run(["bash", str(SCRIPT), "--device", "cpu"], capture_output=True, text=True, env=env,
                           timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --device cpu runs only the tiny shapes; add --dry"
+
+
+def test_the_real_runs_settings_are_valid_without_running_them():
+    """What only the GPU run uses, checked here: the 435M configs (built on the meta device: parameters and FLOPs as
+    the H200 run recorded them), the heal's recipe at 16 x 512 tokens with compiled layers, the compare file on
+    CUDA, the size phase's models and conversion options."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tlm import TLMConfig, TLMForCausalLM
+    from tlm_convert.convert import ConvertOptions
+    from tlm_convert.heal import heal_recipe
+    from tlm_study.compare import run_recipes
+
+    recorded = {r["config"]: r for r in json.loads((ROOT / "bench" / "results" / "gpu.json").read_text())["training"]
+                if "flops_per_token" in r}
+    for item in gpu_check.train_items(dry=False):
+        kwargs, batch, seq = gpu_check.config_for(item["mixer"], item["schedule"], dry=False)
+        with torch.device("meta"):
+            model = TLMForCausalLM(TLMConfig(**kwargs))
+        assert (batch, seq, model.config.vocab_size) == (8, 4096, 32000)
+        if item["name"] in recorded:
+            assert sum(p.numel() for p in model.parameters()) == recorded[item["name"]]["params"]
+            assert gpu_check.flops_per_token(model, seq) == recorded[item["name"]]["flops_per_token"]
+    recipe = heal_recipe("conv", "(in memory)", "text.txt", gpu_check.HEAL_POINTS[-1], "out", 512, 0, device="cuda",
+                         overrides=gpu_check.HEAL_OVERRIDES)
+    assert (recipe.train.batch_size, recipe.train.grad_accum, recipe.train.precision, recipe.train.compile) == (
+        16, 1, "bf16", True)
+    assert recipe.train.max_steps == math.ceil(10**7 / (16 * 512))
+    compare = gpu_check.compare_spec({"dry": False, "device": "cuda", "work": "w"})
+    recipes = run_recipes(compare, "attention", 0)
+    assert recipes["uniform-scratch-80+240"]["train"]["device"] == "cuda" and compare.convert["device"] == "cuda"
+    assert 320 * 64 * 512 >= 10**7 and compare.seeds == [0, 1]
+    sizes = {}
+    for name, shape in gpu_check.SIZES.items():
+        with torch.device("meta"):
+            sizes[name] = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(vocab_size=257, **shape)).parameters())
+    assert 0.9e9 < sizes["llama-1b"] < 1.1e9 and 6.9e9 < sizes["llama-8b"] < 7.1e9
+    ConvertOptions(device="cuda", **gpu_check.SIZE_OPTIONS).validate()
+    assert gpu_check.compile_backend({"dry": False, "device": "cuda"}) == "inductor"
+    assert gpu_check.compile_backend({"dry": True, "device": "cuda"}, "attention") == "inductor"  # the smoke's
+    assert gpu_check.compile_backend({"dry": True, "device": "cpu"}, "attention") == "eager"
