@@ -164,13 +164,13 @@ def test_the_loader_serves_each_rank_its_micro_batches_from_any_step(tmp_path, s
 
 def record_batches(monkeypatch) -> list:
     seen = []
-    original = trainer_module.lm_loss
+    original = trainer_module.next_token_loss
 
-    def recording(logits, ids):
+    def recording(forward, model, ids):
         seen.append(ids.clone())
-        return original(logits, ids)
+        return original(forward, model, ids)
 
-    monkeypatch.setattr(trainer_module, "lm_loss", recording)
+    monkeypatch.setattr(trainer_module, "next_token_loss", recording)
     return seen
 
 

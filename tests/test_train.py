@@ -562,3 +562,33 @@ def test_a_heal_with_grown_lr_scale_runs_and_its_recipe_is_checked(tmp_path):
                            "not under train.parallel fsdp")]:
         with pytest.raises(RecipeError, match=words):
             recipe_from_dict(tiny_recipe(tmp_path, **change))
+
+
+def test_train_compile_compiles_each_decoder_layer_and_takes_the_eager_steps(tmp_path, monkeypatch):
+    """train.compile: every decoder layer of the tapered tiny model compiled in place (dynamo, with the eager backend
+    here: no code generation), the same losses as the eager run, the same state_dict keys, and the returned model
+    runs eagerly again."""
+    from torch._dynamo.utils import counters
+
+    import tlm_train.build as build_module
+
+    compiled = []
+    original = build_module.compile_layers
+
+    def eager_backend(model):
+        original(model, backend="eager")
+        compiled.extend(layer._compiled_call_impl is not None for layer in model.model.layers)
+
+    monkeypatch.setattr(build_module, "compile_layers", eager_backend)
+    torch._dynamo.reset()
+    counters.clear()
+    plain = train(recipe_from_dict(tiny_recipe(tmp_path, "plain", train={"max_steps": 3})))
+    fast = train(recipe_from_dict(tiny_recipe(tmp_path, "compiled", train={"max_steps": 3, "compile": True})))
+    assert compiled == [True] * 3
+    # training: the first width, then every other one as one dynamic size; the evaluation (eval mode) once more
+    assert counters["stats"]["unique_graphs"] == 3
+    widths = fast.model.config.intermediate_sizes
+    assert widths[0] > widths[-1]  # three widths: the layers do not all share one shape
+    assert fast.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert list(fast.model.state_dict()) == list(plain.model.state_dict())
+    assert all(layer._compiled_call_impl is None for layer in fast.model.model.layers)

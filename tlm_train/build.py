@@ -87,13 +87,15 @@ def student_and_tokenizer(recipe: Recipe, model=None, tokenizer=None):
 
 
 def prepare_student(model, spec: TrainSpec, device: torch.device) -> dict:
-    """Make ``model`` trainable on ``device`` (gradient checkpointing, no KV cache, training mode, the trainable
-    parameters of ``train.trainable``); returns what :func:`restore_student` needs to give it back as it came."""
+    """Make ``model`` trainable on ``device`` (gradient checkpointing, each decoder layer compiled with
+    ``train.compile``, no KV cache, training mode, the trainable parameters of ``train.trainable``); returns what :func:`restore_student` needs to give it back as it came."""
     came = {"use_cache": model.config.use_cache, "requires_grad": [p.requires_grad for p in model.parameters()],
-            "checkpointing": spec.gradient_checkpointing}
+            "checkpointing": spec.gradient_checkpointing, "compiled": spec.compile}
     model.to(device)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if spec.compile:
+        compile_layers(model)
     model.config.use_cache = False
     model.train()
     if spec.trainable is not None:
@@ -103,13 +105,38 @@ def prepare_student(model, spec: TrainSpec, device: torch.device) -> dict:
 
 def restore_student(model, came: dict) -> None:
     """``model`` (trained) in eval mode with the flags :func:`prepare_student` changed set back: KV cache,
-    gradient checkpointing, each parameter's requires_grad. It stays on the run's device."""
+    gradient checkpointing, compiled layers, each parameter's requires_grad. It stays on the run's device."""
     if came["checkpointing"]:
         model.gradient_checkpointing_disable()
+    if came["compiled"]:
+        uncompile_layers(model)
     model.config.use_cache = came["use_cache"]
     for p, flag in zip(model.parameters(), came["requires_grad"]):
         p.requires_grad_(flag)
     model.eval()
+
+
+def compile_layers(model, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer of ``model`` (a TLMForCausalLM) in place (``train.compile``): layers of one
+    shape share one compilation, so compiling costs about one layer's time, not the whole model's (whose graph grows
+    with its depth); a tapered model's second width recompiles once with the widths as dynamic sizes, which every
+    other width reuses. The loss, the embedding and the head stay eager; state_dict keys are unchanged."""
+    config = torch._dynamo.config
+    # a weight's size may become dynamic (dynamo treats parameters' and modules' shapes as static by default: one
+    # compilation per width)
+    config.force_parameter_static_shapes = config.force_nn_module_property_static_shapes = False
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    # a layer's guards may still tell layers apart (their mixer, their window): one entry each at most
+    setattr(config, limit, max(getattr(config, limit), 2 * len(model.model.layers)))
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+
+
+def uncompile_layers(model) -> None:
+    """Undo :func:`compile_layers`: every decoder layer runs eagerly again (evaluations at other shapes compile
+    nothing)."""
+    for layer in model.model.layers:
+        layer._compiled_call_impl = None  # what nn.Module.compile sets
 
 
 def select_trainable(model, patterns: list[str]) -> int:
@@ -268,4 +295,5 @@ def make_optimizer(model, recipe: Recipe, device: torch.device):
 
 __all__ = ["build_model_and_tokenizer", "load_pretrained", "student_and_tokenizer", "prepare_student",
            "restore_student", "select_trainable", "check_teacher", "bf16_is_fast", "lr_factor", "schedule_factor",
-           "wsd_decay_start", "param_groups", "weight_rms", "peak_lr", "make_optimizer", "grown_neurons", "scale_updates"]
+           "wsd_decay_start", "param_groups", "weight_rms", "peak_lr", "make_optimizer", "grown_neurons", "scale_updates",
+           "compile_layers", "uncompile_layers"]

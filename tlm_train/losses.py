@@ -36,20 +36,30 @@ from tlm_io.errors import TrainError
 
 # Positions whose logits are formed at a time (bench/STUDIES.md, "The heal step's loss and its chunk").
 HEAD_CHUNK = 256
+# On a GPU a chunk of 256 positions makes the head products too small to keep it busy and launches a dozen kernels
+# per chunk; 4,096 positions at a 32k-262k vocabulary is 0.5-4 GB of fp32 buffers, a few percent of its memory.
+GPU_HEAD_CHUNK = 4096
+
+
+def default_chunk(device: torch.device | str) -> int:
+    """The chunk :func:`head_loss` takes when none is given: :data:`GPU_HEAD_CHUNK` on CUDA, else :data:`HEAD_CHUNK`."""
+    return GPU_HEAD_CHUNK if torch.device(device).type == "cuda" else HEAD_CHUNK
 
 
 def head_loss(student_hidden: torch.Tensor, student_head: torch.Tensor, ids: torch.Tensor, *,
               teacher_hidden: torch.Tensor | None = None, teacher_head: torch.Tensor | None = None,
               teacher_top: tuple[torch.Tensor, torch.Tensor] | None = None,
               kd_weight: float = 0.0, lm_weight: float = 1.0, temperature: float = 1.0,
-              chunk: int = HEAD_CHUNK) -> torch.Tensor:
+              chunk: int | None = None) -> torch.Tensor:
     """Scalar ``lm_weight * CE + kd_weight * T^2 * KL`` of next-token prediction, from hidden states.
 
     student_hidden (B, S, d) and teacher_hidden (B, S, d_t): final normed states of ``ids`` (B, S); student_head
     (V, d) and teacher_head (V, d_t): the LM head weights (no bias). Position t predicts ids[:, t + 1], so the last
     position is left out. The teacher side is needed only when kd_weight > 0 and never receives a gradient; instead
     of its hidden states and head it may be ``teacher_top`` = (indices, log-probabilities), each (B, S - 1, k), of
-    :func:`teacher_topk` at the same temperature (the KL over the top k plus the rest, see the module's doc)."""
+    :func:`teacher_topk` at the same temperature (the KL over the top k plus the rest, see the module's doc).
+    ``chunk`` None: :func:`default_chunk` of the hidden states' device."""
+    chunk = default_chunk(student_hidden.device) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if teacher_top is not None:
@@ -95,9 +105,11 @@ def _top_head_loss(student_hidden, student_head, ids, teacher_top, kd_weight, lm
 
 @torch.no_grad()
 def teacher_topk(hidden: torch.Tensor, head: torch.Tensor, k: int, temperature: float = 1.0,
-                 chunk: int = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int32, log-probabilities fp32), each (B, S - 1, k): the k most likely next tokens of every predicted
-    position under softmax(z / T), z = hidden (B, S, d) @ head (V, d).T formed ``chunk`` positions at a time."""
+    position under softmax(z / T), z = hidden (B, S, d) @ head (V, d).T formed ``chunk`` positions at a time
+    (None: :func:`default_chunk`)."""
+    chunk = default_chunk(hidden.device) if chunk is None else chunk
     if not 1 <= k <= head.shape[0]:
         raise ValueError(f"k must be in [1, {head.shape[0]}] (the vocabulary), got {k}")
     b, s = hidden.shape[0], hidden.shape[1] - 1
@@ -269,6 +281,26 @@ def _top_kl(z_s, idx, logp, n, kd_weight, t):
     return kd_weight * t * t / n * kl.sum(), grad
 
 
+# ============================================================================================== a forward pass's loss
+
+
+def final_hidden(forward, model, ids: torch.Tensor):
+    """(the forward's output with every layer's hidden states, the final normed hidden states (B, S, d), the LM head
+    weight (V, d)) of ids (B, S) through ``forward`` (``model``'s, possibly wrapped or compiled). The head runs on
+    the last position only (logits_to_keep=1): the loss forms the logits from the hidden states a chunk at a time."""
+    out = forward(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    # read after the forward: under FSDP the root module's weights are gathered from then on
+    return out, out.hidden_states[-1], model.get_output_embeddings().weight
+
+
+def next_token_loss(forward, model, ids: torch.Tensor) -> torch.Tensor:
+    """A training step's mean next-token cross entropy of ids (B, S) through ``forward`` (``model``'s, possibly
+    wrapped or compiled): :func:`lm_loss` of the model's logits in value and gradient, formed by :func:`head_loss`
+    a chunk of positions at a time, so no (B, S, V) logit tensor exists."""
+    _, h, head = final_hidden(forward, model, ids)
+    return head_loss(h, head, ids)
+
+
 # ============================================================================================== whole logits
 
 
@@ -318,19 +350,15 @@ class Distillation:
         at a time (:func:`head_loss`): neither model's (B, S, V) logits exist whole. alpha 1: pure distillation,
         the LM term is not formed."""
         d = self.spec
-        # logits_to_keep=1: the student's head runs on the last position only (unused); hidden_states[-1] is the
-        # final normed state the head reads
-        out = forward(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        # (V, d), read after the forward: under FSDP the root module's weights are gathered from then on
-        head = student.get_output_embeddings().weight
+        out, h, head = final_hidden(forward, student, ids)
         if self.cache is not None:
             top = self.cache.top(ids, self._teacher_top)
-            return head_loss(out.hidden_states[-1], head, ids, teacher_top=top, kd_weight=d.alpha,
-                             lm_weight=1 - d.alpha, temperature=d.temperature)
+            return head_loss(h, head, ids, teacher_top=top, kd_weight=d.alpha, lm_weight=1 - d.alpha,
+                             temperature=d.temperature)
         with torch.no_grad():
             teacher_out = self.teacher.model(input_ids=ids, use_cache=False,
                                              output_hidden_states=self.hidden or None)
-        loss = head_loss(out.hidden_states[-1], head, ids,
+        loss = head_loss(h, head, ids,
                          teacher_hidden=teacher_out.last_hidden_state,
                          teacher_head=self.teacher.get_output_embeddings().weight,
                          kd_weight=d.alpha, lm_weight=1 - d.alpha, temperature=d.temperature)
@@ -346,4 +374,5 @@ class Distillation:
         return teacher_topk(hidden, self.teacher.get_output_embeddings().weight, d.teacher_topk, d.temperature)
 
 
-__all__ = ["head_loss", "teacher_topk", "HEAD_CHUNK", "lm_loss", "distill_loss", "hidden_loss", "Distillation"]
+__all__ = ["head_loss", "teacher_topk", "HEAD_CHUNK", "GPU_HEAD_CHUNK", "default_chunk", "final_hidden",
+           "next_token_loss", "lm_loss", "distill_loss", "hidden_loss", "Distillation"]

@@ -85,7 +85,7 @@ class TrainSpec:
     grad_accum: int = 1  # global batch = batch_size * grad_accum * world size sequences
     precision: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16: autocast on CUDA or CPU (fp32 master weights);
     # auto: bf16 where it is fast on the device (trainer.bf16_is_fast), else fp32
-    compile: bool = False  # torch.compile (GPU)
+    compile: bool = False  # torch.compile of each decoder layer (GPU; tlm_train.build.compile_layers)
     device: str = "auto"  # auto: cuda when available (one device per process under torchrun), else cpu
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun; fsdp shards per decoder layer
     gradient_checkpointing: bool = False

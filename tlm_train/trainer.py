@@ -68,7 +68,7 @@ from .checkpoints import (STOP_FILE, CheckpointStore, discard_new_folder, finger
                           lock_run_folder, resume_path, seed_everything)
 from .data import CACHE_FIX, BatchOrder, TokenBlocks, check_cache_ids, micro_batch_loader, recipe_tokens
 from .distributed import Dist, setup_distributed, unwrap, wrap
-from .losses import Distillation, distill_loss, hidden_loss, lm_loss
+from .losses import Distillation, distill_loss, hidden_loss, lm_loss, next_token_loss
 from .metrics import MetricsLog, write_summary
 from .recipe import Recipe
 from .teacher import store_for_autocast
@@ -187,7 +187,7 @@ class _Run:
                                            self.tokenizer, self.order, shapes)
         self.step = 0 if self.resume_from is None else self.checkpoints.restore(self.resume_from)
         self.resumed_at = None if self.resume_from is None else self.step
-        self.forward = torch.compile(self.model) if r.train.compile else self.model
+        self.forward = self.model  # train.compile: its layers are compiled (prepare_student)
 
     def _distillation(self, model) -> Distillation | None:
         """The teacher side of the loss: the caller's teacher or recipe.distill.teacher, checked against the
@@ -227,7 +227,7 @@ class _Run:
             sync = micro == accum - 1 or d.world == 1 or r.train.parallel != "ddp"
             with (nullcontext() if sync else self.model.no_sync()), self._autocast():
                 if self.distillation is None:
-                    loss = lm_loss(self.forward(input_ids=ids, use_cache=False).logits, ids)
+                    loss = next_token_loss(self.forward, unwrap(self.model), ids)
                 else:
                     loss = self.distillation.loss(self.forward, unwrap(self.model), ids)
                 (loss / accum).backward()
@@ -396,5 +396,5 @@ def train(recipe: Recipe, model: TLMForCausalLM | None = None, teacher: TLMForCa
 
 
 __all__ = ["train", "TrainResult", "TrainError", "STOP_FILE", "training_blocks", "bf16_is_fast", "lr_factor",
-           "schedule_factor", "wsd_decay_start", "select_trainable", "lm_loss", "distill_loss", "hidden_loss", "list_checkpoints",
-           "build_model_and_tokenizer", "load_pretrained"]
+           "schedule_factor", "wsd_decay_start", "select_trainable", "lm_loss", "next_token_loss", "distill_loss",
+           "hidden_loss", "list_checkpoints", "build_model_and_tokenizer", "load_pretrained"]
