@@ -605,8 +605,10 @@ def worker(spec_path: str) -> None:
         import torch
 
         torch.set_num_threads(1)
+    slow = float(os.environ.get("TLM_GPU_CHECK_ITEM_DELAY_S", 0))  # the tests' stand-in for a slow item
     for item in spec["items"]:
         emit({"event": "start", "item": item["name"]})
+        time.sleep(slow)
         RUNNERS[spec["phase"]](spec, item)
 
 

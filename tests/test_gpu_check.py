@@ -32,8 +32,8 @@ gpu_check = load("gpu_check")
 heal_curve = load("heal_curve")
 
 
-def run_check(*args, timeout=900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def run_check(*args, timeout=900, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(["bash", str(SCRIPT), "--dry", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
@@ -130,13 +130,14 @@ def test_the_size_phase_builds_and_converts_both_models(dry):
 
 def test_an_item_over_its_share_is_stopped_and_the_run_ends_on_time(tmp_path):
     out = tmp_path / "g.json"
-    proc = run_check("--phases", "train", "--budget-s", "14", "--out", str(out), timeout=120)
+    proc = run_check("--phases", "train", "--budget-s", "11", "--out", str(out), timeout=120,
+                     env={"TLM_GPU_CHECK_ITEM_DELAY_S": "3"})  # 13 items of 3 s and more, in a phase of 11 s
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     statuses = [e["status"] for e in events(result, "train")]
     assert any(s.startswith("stopped: over") for s in statuses)
     assert statuses[-1].startswith(("stopped", "skipped"))
-    assert result["wall_s"] < 14 + 6 and result["phases"]["train"]["status"] != "ok"
+    assert result["wall_s"] < 11 + 6 and result["phases"]["train"]["status"] != "ok"
 
 
 def test_window_seconds_counts_the_logged_windows_of_one_part(tmp_path):

@@ -205,6 +205,7 @@ def _init_worker(writer: GroupWriter) -> None:
     global _WORKER
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by write_shards while it forked
     _WORKER = writer
 
 
@@ -238,7 +239,13 @@ def write_shards(folder: Path, documents: Iterable[tuple[str, bool]], writer: Gr
     if num_proc > 1:
         import multiprocessing
 
-        pool = multiprocessing.get_context().Pool(num_proc, initializer=_init_worker, initargs=(writer,))
+        # SIGINT blocked while the workers fork: a Ctrl-C then waits for the command (delivered once unblocked)
+        # and a new worker sees it only once its set-up ignores it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pool = multiprocessing.get_context().Pool(num_proc, initializer=_init_worker, initargs=(writer,))
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def enough() -> bool:  # the contiguous first shards hold max_tokens
         if max_tokens is None:
