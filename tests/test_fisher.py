@@ -250,3 +250,32 @@ def test_measured_schedule_widths_keep_the_parameter_count_and_are_deterministic
     assert again["widths_after"] == widths and again["measured_profile"] == profile  # deterministic
     with pytest.raises(ConversionError, match="drop --low-memory"):
         ConvertOptions(**{**opts, "importance": "obs", "low_memory": True}).validate()
+
+
+def test_a_lower_dtype_runs_the_matmuls_in_it_and_ranks_as_the_fp32_pass_does():
+    model = make_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    seen = []  # the dtype of every MLP activation the pass scores
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+             for layer in model.model.layers]
+    full = fisher_scores(model, blocks, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(full, fisher_scores(model, blocks, seed=3, dtype=torch.float32)))
+    del seen[:]
+    low = fisher_scores(model, blocks, seed=3, dtype=torch.bfloat16)
+    for h in hooks:
+        h.remove()
+    assert set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())  # left as they were
+    for a, b in zip(full, low):
+        assert b.dtype == torch.float64 and not torch.equal(a, b)
+        ranks = torch.stack([a.argsort().argsort(), b.argsort().argsort()]).double()
+        assert torch.corrcoef(ranks)[0, 1] > 0.99  # bf16 rounding moves a few neighbours, not the ranking
+
+
+def test_fisher_dtype_is_validated_and_reaches_the_pre_pass():
+    with pytest.raises(ConversionError, match="--fisher-dtype 'float64': expected one of"):
+        ConvertOptions(fisher_dtype="float64").validate()
+    opts = ConvertOptions(fisher_dtype="bfloat16")
+    opts.validate()
+    assert opts.layer_settings().fisher_torch_dtype() is torch.bfloat16
+    assert ConvertOptions().layer_settings().fisher_torch_dtype() is None  # the model's own dtype

@@ -165,7 +165,12 @@ class LayerSettings:
     fisher_seq_len: int = 0  # the Fisher pre-pass's sequence length (blocks cut into pieces); 0: the blocks'
     fisher_draws: int = 1  # targets drawn per sequence by the Fisher pre-pass (one backward each), scores averaged
     fisher_mask: str = "token"  # the Fisher pre-pass's mask: one a neuron and position, or a sequence (fisher.MASKS)
+    fisher_dtype: str | None = None  # the Fisher pre-pass's matmuls in this dtype (torch.autocast); None: the model's
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
+
+    def fisher_torch_dtype(self) -> torch.dtype | None:
+        """The Fisher pre-pass's matmul dtype (fisher_scores' ``dtype``)."""
+        return None if self.fisher_dtype is None else getattr(torch, self.fisher_dtype)
 
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widths: list[int],
@@ -178,7 +183,8 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widt
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
                                               progress=progress, max_blocks=settings.fisher_blocks,
                                               seq_len=settings.fisher_seq_len, first_layer=first,
-                                              draws=settings.fisher_draws, mask=settings.fisher_mask)
+                                              draws=settings.fisher_draws, mask=settings.fisher_mask,
+                                              dtype=settings.fisher_torch_dtype())
 
 
 def first_ranked_layer(source_widths: list[int], widths: list[int], settings: LayerSettings) -> int:

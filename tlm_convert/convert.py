@@ -95,6 +95,8 @@ class ConvertOptions:
     heal_tokens: int = 0  # logit distillation from the source after conversion (tlm_convert.heal); 0: none
     fisher_draws: int = 1  # targets drawn per calibration sequence by the Fisher pre-pass, one backward each, scores
     # averaged: K draws cut the score's sampling noise by sqrt(K) for K - 1 more backward passes (bench/RESULTS.md)
+    fisher_dtype: str | None = None  # the Fisher pre-pass's matmuls in this dtype (torch.autocast), e.g. "bfloat16"
+    # where the device has it natively; None: the model's (dtype)
     taper_stages: int = 1  # reach the widths in this many conversions, each healed heal_tokens / taper_stages
     # (convert_in_stages); 1: one shot
     max_hours: float = DEFAULT_MAX_HOURS  # a long phase (self samples, reconstruction, heal) estimated longer is
@@ -105,7 +107,8 @@ class ConvertOptions:
         return LayerSettings(importance=self.importance, grow_init=self.grow_init, refit=self.refit,
                              refit_target=self.refit_target, batch_size=self.batch_size, seed=self.seed,
                              token_weighting=self.token_weighting, reconstruct_epochs=self.reconstruct_epochs,
-                             fisher_draws=self.fisher_draws, scores_needed=self.mixer in SCORED_MIXERS)
+                             fisher_draws=self.fisher_draws, fisher_dtype=self.fisher_dtype,
+                             scores_needed=self.mixer in SCORED_MIXERS)
 
     def validate(self) -> None:
         """Fail fast, before anything is loaded; one line per problem. ``importance`` defaults to "fisher" (the whole
@@ -116,10 +119,11 @@ class ConvertOptions:
         self.calibration_data = calibration_sources(self.calibration_data, self.low_memory)
         choices = {"importance": (self.importance, METRICS), "grow_init": (self.grow_init, GROW_INITS),
                    "mixer": (self.mixer, MIXER_CHOICES), "export": (self.export, FORMATS),
-                   "dtype": (self.dtype, DTYPE_CHOICES), "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
+                   "dtype": (self.dtype, DTYPE_CHOICES), "fisher_dtype": (self.fisher_dtype, DTYPE_CHOICES),
+                   "token_weighting": (self.token_weighting, TOKEN_WEIGHTINGS),
                    "refit_target": (self.refit_target, REFIT_TARGETS)}
         for name, (value, allowed) in choices.items():
-            if value not in allowed and not (name == "importance" and value is None):
+            if value not in allowed and not (name in ("importance", "fisher_dtype") and value is None):
                 raise ConversionError(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(allowed)}")
         parse_ratio(self.ratio)
         for name in ("calibration_tokens", "seq_len", "eval_tokens", "batch_size", "fisher_draws"):
@@ -481,7 +485,7 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     1.5 D), non-increasing with depth for measured-taper. The scores are kept for ``--importance fisher``."""
     scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
                            max_blocks=settings.fisher_blocks, seq_len=settings.fisher_seq_len,
-                           draws=settings.fisher_draws, mask=settings.fisher_mask)
+                           draws=settings.fisher_draws, mask=settings.fisher_mask, dtype=settings.fisher_torch_dtype())
     if settings.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)
