@@ -47,9 +47,6 @@ DEFAULTS = ConvertOptions()  # the option defaults are the library's (tlm_conver
 @click.option("--fisher-draws", type=int, default=DEFAULTS.fisher_draws, show_default=True,
               help="Targets the Fisher pre-pass draws per calibration sequence, the scores averaged: less sampling "
                    "noise in the ranking, for one more backward pass each (2: a fifth to a half more conversion CPU).")
-@click.option("--fisher-dtype", default=DEFAULTS.fisher_dtype, type=click.Choice(DTYPE_CHOICES),
-              help="The Fisher pre-pass's matmuls in this dtype (bfloat16: about half its CPU where the CPU has "
-                   "bf16 instructions) [default: the model's, --dtype].")
 @click.option("--grow-init", default=DEFAULTS.grow_init, show_default=True, type=click.Choice(GROW_INITS))
 @click.option("--refit/--no-refit", default=DEFAULTS.refit, show_default=True,
               help="Least-squares refit of pruned layers' down projections.")
