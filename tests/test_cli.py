@@ -298,7 +298,8 @@ KNOB_VALUES = {"importance": ("obs", []), "fisher_draws": (3, []), "fisher_mask"
                "noise_scale": (0.5, []), "refit": (False, []), "refit_target": ("local", []), "damp": (0.01, []),
                "token_weighting": ("sink", []), "reconstruct_epochs": (2, []), "reconstruct_lr": (0.001, []),
                "multiple_of": (8, []), "taper_stages": (2, ["--heal-tokens", "100000"]),
-               "shrink": ("fold", []), "fold_iters": (3, [])}
+               "shrink": ("fold", []), "fold_iters": (3, []),
+               "fisher_dtype": ("bfloat16", [])}
 
 
 @pytest.mark.parametrize("knob", sorted(KNOB_VALUES))

@@ -15,7 +15,7 @@ from tlm_convert import fisher
 from tlm_convert.fisher import fisher_scores, top_share_profile
 from tlm import measured_widths, taper_widths
 from tlm_convert.importance import ActivationStats, neuron_scores, sensitivity
-from tlm_convert.options import Method, options_from
+from tlm_convert.options import Method, method_from, options_from
 from tlm_io.errors import ConversionError
 
 
@@ -253,3 +253,30 @@ def test_measured_schedule_widths_keep_the_parameter_count_and_are_deterministic
     assert again["widths_after"] == widths and again["measured_profile"] == profile  # deterministic
     with pytest.raises(ConversionError, match="drop --low-memory"):
         options_from(**{**opts, "importance": "obs", "low_memory": True}).validate()
+
+
+def test_a_lower_dtype_runs_the_matmuls_in_it_and_ranks_as_the_fp32_pass_does():
+    model = make_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    seen = []  # the dtype of every MLP activation the pass scores
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+             for layer in model.model.layers]
+    full = fisher_scores(model, blocks, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(full, fisher_scores(model, blocks, seed=3, dtype=torch.float32)))
+    del seen[:]
+    low = fisher_scores(model, blocks, seed=3, dtype=torch.bfloat16)
+    for h in hooks:
+        h.remove()
+    assert set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())  # left as they were
+    for a, b in zip(full, low):
+        assert b.dtype == torch.float64 and not torch.equal(a, b)
+        ranks = torch.stack([a.argsort().argsort(), b.argsort().argsort()]).double()
+        assert torch.corrcoef(ranks)[0, 1] > 0.99  # bf16 rounding moves a few neighbours, not the ranking
+
+
+def test_fisher_dtype_is_validated_and_reaches_the_pre_pass():
+    with pytest.raises(ConversionError, match="fisher_dtype: expected one of auto, float32, bfloat16, float16"):
+        method_from(["fisher_dtype=float64"])
+    assert LayerSettings(method_from(["fisher_dtype=bfloat16"]), 8, 0).fisher_torch_dtype() is torch.bfloat16
+    assert LayerSettings(Method(), 8, 0).fisher_torch_dtype() is None  # the model's own dtype

@@ -159,6 +159,11 @@ class LayerSettings:
     model_scores: list[torch.Tensor] | None = None  # per layer, a WHOLE_MODEL metric's scores (score_whole_model)
     reconstruct_budget: object | None = None  # a tlm_train.budget.Budget over every reconstruction epoch, or None
 
+    def fisher_torch_dtype(self) -> torch.dtype | None:
+        """The Fisher pre-pass's matmul dtype (fisher_scores' ``dtype``; None: the model's own)."""
+        dtype = self.method.fisher_dtype
+        return None if dtype == "auto" else getattr(torch, dtype)
+
 
 def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widths: list[int],
                       progress: bool = False) -> None:
@@ -171,7 +176,8 @@ def score_whole_model(model, blocks: torch.Tensor, settings: LayerSettings, widt
         settings.model_scores = fisher_scores(model, blocks, seed=settings.seed, batch_size=settings.batch_size,
                                               progress=progress, max_blocks=m.fisher_blocks,
                                               seq_len=m.fisher_seq_len, first_layer=first,
-                                              draws=m.fisher_draws, mask=m.fisher_mask)
+                                              draws=m.fisher_draws, mask=m.fisher_mask,
+                                              dtype=settings.fisher_torch_dtype())
 
 
 def first_ranked_layer(source_widths: list[int], widths: list[int], settings: LayerSettings) -> int:

@@ -364,7 +364,7 @@ def measure_widths(model, calib: torch.Tensor, config, opts: ConvertOptions, set
     m = settings.method
     scores = fisher_scores(model, calib, seed=opts.seed, batch_size=opts.batch_size, progress=progress,
                            max_blocks=m.fisher_blocks, seq_len=m.fisher_seq_len, draws=m.fisher_draws,
-                           mask=m.fisher_mask)
+                           mask=m.fisher_mask, dtype=settings.fisher_torch_dtype())
     if m.importance in WHOLE_MODEL:
         settings.model_scores = scores  # the same pass score_whole_model would run
     profile = top_share_profile(scores)

@@ -48,7 +48,7 @@ HEAD_CHUNK_BYTES = 1 << 24  # fp32 logits formed at once by the head's gradient 
 
 def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 8, progress: bool = False,
                   max_blocks: int = 0, seq_len: int = 0, first_layer: int = 0,
-                  draws: int = 1, mask: str = "token") -> list[torch.Tensor | None]:
+                  draws: int = 1, mask: str = "token", dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
     """Per layer, the diagonal Fisher score (I_l,) fp64 of every MLP neuron of ``model`` (a TLMForCausalLM) over
     the calibration ``blocks`` (n, S), or ``max_blocks`` of them evenly spread (0: all), each cut into sequences of
     ``seq_len`` tokens (0: S; a shorter one gives the model less context, and the sequence mask more, shorter sums;
@@ -56,8 +56,10 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     targets drawn that many times a sequence, one backward pass each through the same forward graph, the squared sums
     averaged (the estimate's variance over draws / ``draws``; 1 is the one-draw score, bit for bit). ``mask``:
     "token", one mask a neuron and position, the squared mask gradients summed over positions (the module's F_jj),
-    or "sequence", one mask a neuron over a sequence, the square of their sum (the same cost). Deterministic
-    for a seed; the model's parameters and the global random state are left as they were.
+    or "sequence", one mask a neuron over a sequence, the square of their sum (the same cost). ``dtype``: the
+    matmuls run in it (torch.autocast; the head's weight cast once), the scores still summed in fp64; None: the
+    model's own dtype. Deterministic for a seed; the model's parameters and the global random state are left as
+    they were.
 
     ``first_layer``: the layers before it are not scored (None): the backward pass stops at its input, so they
     neither run backward nor keep activations for it. A layer's score depends only on the layers after it, so
@@ -81,15 +83,17 @@ def fisher_scores(model, blocks: torch.Tensor, seed: int = 0, batch_size: int = 
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
+    head = model.lm_head.weight if dtype is None else model.lm_head.weight.to(dtype)  # (V, H)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=head.dtype != model.lm_head.weight.dtype)
     bar = tqdm(total=len(blocks), desc="fisher", unit="seq", file=sys.stderr, disable=not progress)
     try:
-        with bar, ExitStack() as hooks, torch.enable_grad():
+        with bar, ExitStack() as hooks, torch.enable_grad(), autocast:
             hooks.callback(leaf.register_forward_hook(_needs_grad).remove)
             for layer, score in zip(layers[first_layer:], scores):
                 hooks.callback(layer.mlp.down_proj.register_forward_pre_hook(_MaskGradient(score, mask)).remove)
             for first in range(0, len(blocks), rows):
                 ids = blocks[first : first + rows].to(device)  # (B, S)
-                _backward_sampled_loglik(model, ids, gen, draws)
+                _backward_sampled_loglik(model.model, head, ids, gen, draws)
                 bar.update(ids.shape[0])
     finally:
         for p in frozen:
@@ -136,28 +140,28 @@ class _MaskGradient:
             a.register_hook(add)
 
 
-def _backward_sampled_loglik(model, ids: torch.Tensor, gen: torch.Generator, draws: int = 1) -> None:
+def _backward_sampled_loglik(body, head: torch.Tensor, ids: torch.Tensor, gen: torch.Generator,
+                             draws: int = 1) -> None:
     """Backpropagate log p(y | ids) summed over every position, y drawn from the model's own next-token
     distribution; ``draws`` times, each with its own y, through one forward graph. The head's share is formed a chunk
     of positions at a time (``HEAD_CHUNK_BYTES`` of logits), so the (B, S, V) logits are never held: with z = h W^T,
     d log p(y) / dz = onehot(y) - softmax(z), and the gradient reaching the last hidden state h is that times W; one
-    backward pass of the body takes it from there."""
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, S, H), after the final norm
+    backward pass of the ``body`` (a TLMModel) takes it from there; ``head``: the LM head's weight W (V, H)."""
+    hidden = body(input_ids=ids, use_cache=False).last_hidden_state  # (B, S, H), after the final norm
     flat = hidden.detach().flatten(0, 1)  # (B*S, H)
     for draw in range(draws):
-        grad = _sampled_head_gradient(model.lm_head, flat, gen)
+        grad = _sampled_head_gradient(head, flat, gen)
         hidden.backward(grad.view_as(hidden), retain_graph=draw < draws - 1)
 
 
-def _sampled_head_gradient(head, flat: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """d log p(y) / dh (N, H) for final hidden states ``flat`` (N, H) and the LM ``head`` (weight W: (V, H)), one y
-    drawn per row from softmax(head(h)), a few rows at a time."""
-    weight = head.weight  # (V, H)
+def _sampled_head_gradient(weight: torch.Tensor, flat: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """d log p(y) / dh (N, H) for final hidden states ``flat`` (N, H) and the LM head's ``weight`` W (V, H), one y
+    drawn per row from softmax(h W^T), a few rows at a time."""
     grad = torch.empty_like(flat)
     step = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
     for first in range(0, len(flat), step):
         rows = slice(first, first + step)
-        logits = head(flat[rows])  # (c, V)
+        logits = F.linear(flat[rows].to(weight.dtype), weight)  # (c, V)
         probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         targets = torch.multinomial(probs, 1, generator=gen)  # (c, 1)
         probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # p - onehot(y)

@@ -41,6 +41,7 @@ GROW_INITS = ("noise", "zero", "split")  # surgery.resize_layer
 REFIT_TARGETS = ("residual", "local")  # calibrate.convert_layers
 TOKEN_WEIGHTINGS = ("none", "sink", "inv_norm")  # reconstruct.token_weights
 FISHER_MASKS = ("token", "sequence")  # fisher.fisher_scores
+FISHER_DTYPES = ("auto", "float32", "bfloat16", "float16")  # the Fisher pass's matmuls; auto: the model's dtype
 SHRINK_METHODS = ("drop", "fold")  # a shrinking layer: keep its top-scored neurons, or merge all into clusters (fold.py)
 FOLD_ITERS = 10  # the fold's k-means (Lloyd) iterations from the kept neurons: bounds the clustering's cost
 DAMP = 1e-3  # the refit's and OBS's ridge, relative to the mean diagonal of the Gram matrix (compensate.py)
@@ -52,6 +53,7 @@ RefitTarget = Literal[REFIT_TARGETS]
 TokenWeighting = Literal[TOKEN_WEIGHTINGS]
 FisherMask = Literal[FISHER_MASKS]
 Shrink = Literal[SHRINK_METHODS]
+FisherDtype = Literal[FISHER_DTYPES]
 
 
 def knob(default, meaning: str, minimum: float | None = None, above: bool = False):
@@ -74,6 +76,8 @@ class Method:
     fisher_blocks: int = knob(0, "calibration blocks the Fisher pass uses, evenly spread; 0: every block", minimum=0)
     fisher_seq_len: int = knob(0, "the Fisher pass's sequence length (blocks cut into pieces); 0: the blocks'",
                                minimum=0)
+    fisher_dtype: FisherDtype = knob("auto", "the Fisher pass's matmuls in this dtype (torch.autocast; bfloat16 about "
+                                             "halves its CPU where the CPU has bf16 instructions); auto: the model's")
     grow_init: GrowInit = knob("noise", "new neurons of growing layers: small random output columns (noise), zero, "
                                         "or Net2Net copies of the top-ranked (split)")
     noise_scale: float = knob(NOISE_SCALE, "noise growth's output columns, relative to the RMS of the layer's columns",
