@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.suite import machine, table, torch_version  # noqa: E402
+from bench.tables import point_ood, result_files  # noqa: E402
 from tlm_io.harness import BUNDLED, CHANCE, accuracy_summary, mean_accuracy  # noqa: E402
 
 
@@ -54,16 +55,55 @@ def cell(task: dict | None, key: str) -> str | None:
     return f"{task[key]:.3f}" + ("" if err is None else f" ± {err:.3f}")
 
 
-def tables(runs: list[dict], source: str | None) -> list[dict]:
+def ood_ratios(pairs: list[str]) -> dict[str, float]:
+    """LABEL -> the OOD perplexity ratio its ``STEM[@TOKENS]`` names (a conversion row, or a heal curve's point)."""
+    files, found = result_files(), {}
+    for pair in pairs:
+        label, _, ref = pair.partition("=")
+        stem, _, tokens = ref.partition("@")
+        if stem not in files:
+            raise SystemExit(f"--ood {pair}: no result file {stem}.json under bench/results/")
+        data = files[stem][1]
+        if tokens:
+            point = next((p for p in data.get("points", []) if p["tokens"] == int(tokens)), None)
+            if point is None:
+                raise SystemExit(f"--ood {pair}: {stem} has no heal point at {tokens} tokens")
+            found[label] = point_ood(data, point)
+        else:
+            found[label] = data["ood_geomean"]
+    return found
+
+
+def ranking(runs: list[dict], ood: dict[str, float]) -> dict:
+    """The models with an OOD ratio, best first by mean accuracy and by perplexity, and their concordant pairs."""
+    rated = [r for r in runs if r["label"] in ood and r["mean_acc"] is not None]
+    pairs = [(a, b) for i, a in enumerate(rated) for b in rated[i + 1:]]
+    agree = sum((a["mean_acc"] - b["mean_acc"]) * (ood[b["label"]] - ood[a["label"]]) > 0 for a, b in pairs)
+    return {"by_accuracy": [r["label"] for r in sorted(rated, key=lambda r: -r["mean_acc"])],
+            "by_perplexity": [r["label"] for r in sorted(rated, key=lambda r: ood[r["label"]])],
+            "concordant_pairs": agree, "pairs": len(pairs)}
+
+
+def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = None) -> list[dict]:
+    ood = ood or {}
     tasks = [t for t in runs[0]["accuracy"]]
     base = next((r for r in runs if r["label"] == source), None)
     rows = []
     for r in runs:
         retention = None if base is None or not base["mean_acc"] else f"{100 * r['mean_acc'] / base['mean_acc']:.1f}%"
         rows.append([r["label"]] + [cell(r["accuracy"].get(t), "acc") for t in tasks]
-                    + [None if r["mean_acc"] is None else f"{r['mean_acc']:.3f}", retention])
+                    + [None if r["mean_acc"] is None else f"{r['mean_acc']:.3f}", retention]
+                    + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else []))
     out = [table("acc ± stderr per task (lm-evaluation-harness on the bundled samples), the mean, and retention "
-                 f"(% of {source or 'the source'}'s mean)", ["model", *tasks, "mean acc", "retention"], rows)]
+                 f"(% of {source or 'the source'}'s mean)" + ("; OOD: the perplexity ratio out of domain" if ood else ""),
+                 ["model", *tasks, "mean acc", "retention"] + (["OOD"] if ood else []), rows)]
+    if ood:
+        rank = ranking(runs, ood)
+        out.append(table("the models ranked, best first: by mean accuracy and by OOD perplexity ratio",
+                         ["by", "ranking", "pairs in the same order"],
+                         [["mean accuracy", ", ".join(rank["by_accuracy"]), None],
+                          ["OOD perplexity", ", ".join(rank["by_perplexity"]),
+                           f"{rank['concordant_pairs']} of {rank['pairs']}"]]))
     normed = [t for t in tasks if any("acc_norm" in r["accuracy"].get(t, {}) for r in runs)]
     if normed:
         out.append(table("acc_norm ± stderr (length-normalized), where the task has it", ["model", *normed],
@@ -89,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default=",".join(BUNDLED))
     ap.add_argument("--limit", type=int, default=None, help="documents per task (a smoke run)")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--ood", nargs="*", default=[], metavar="LABEL=STEM[@TOKENS]",
+                    help="a model's out-of-domain perplexity ratio, from the result file STEM of bench/results (a "
+                         "conversion row, or a heal curve's point at TOKENS): shown and ranked beside its accuracy")
     args = ap.parse_args(argv)
     pairs = [m.split("=", 1) for m in args.models]
     if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
@@ -108,7 +151,7 @@ def main(argv=None) -> int:
            "command": "python bench/eval_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": machine(), "torch": torch_version(), "threads": None,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "quick": bool(args.limit),
-           "source": source, "runs": runs, "tables": tables(runs, source),
+           "source": source, "runs": runs, "tables": tables(runs, source, ood_ratios(args.ood)),
            "notes": ["tasks and items: tlm_io/data/README.md (hellaswag_text and boolq_notitle stand in for lm-eval's "
                      "hellaswag and boolq); stderr is lm-eval's (binomial, over the sample's items)"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -386,3 +386,19 @@ def test_self_samples_refuses_an_existing_output_in_one_line(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode != 0 and "exists" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert out.read_text() == "kept\n"
+
+
+def test_the_accuracy_table_ranks_models_by_accuracy_and_by_the_perplexity_its_result_files_give():
+    from bench.eval_suite import ood_ratios, ranking
+
+    heal = json.loads((tables.QUALITY / "heal_fisher_token.json").read_text())
+    at = next(p for p in heal["points"] if p["tokens"] == 24576)
+    ood = ood_ratios(["converted=fisher_token", "healed=heal_fisher_token@24576"])
+    assert ood == {"converted": json.loads((tables.QUALITY / "fisher_token.json").read_text())["ood_geomean"],
+                   "healed": tables.point_ood(heal, at)}
+    runs = [{"label": name, "mean_acc": acc} for name, acc in (("source", 0.5), ("a", 0.45), ("b", 0.40), ("c", 0.42))]
+    rank = ranking(runs, {"a": 1.1, "b": 1.2, "c": 1.3})  # c: better accuracy than b, worse perplexity
+    assert rank["by_accuracy"] == ["a", "c", "b"] and rank["by_perplexity"] == ["a", "b", "c"]
+    assert (rank["concordant_pairs"], rank["pairs"]) == (2, 3)
+    with pytest.raises(SystemExit, match="no heal point at 7 tokens"):
+        ood_ratios(["x=heal_fisher_token@7"])
