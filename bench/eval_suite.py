@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE_LIMIT = 100  # fewer documents a task than this: a check that it runs, not a measurement
 sys.path.insert(0, str(ROOT))
 
 from bench.suite import machine, table, torch_version  # noqa: E402
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--source", default=None, help="the label retention is measured against [the first model]")
     ap.add_argument("--tasks", default=",".join(BUNDLED))
-    ap.add_argument("--limit", type=int, default=None, help="documents per task (a smoke run)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="the first N documents of each task's sample (below SMOKE_LIMIT: a smoke run, which the "
+                         "report refuses)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ood", nargs="*", default=[], metavar="LABEL=STEM[@TOKENS]",
                     help="a model's out-of-domain perplexity ratio, from the result file STEM of bench/results (a "
@@ -150,9 +153,12 @@ def main(argv=None) -> int:
     raw = {"benchmark": "accuracy", "topic": "quality", "title": "Zero-shot accuracy on the bundled suite",
            "command": "python bench/eval_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": machine(), "torch": torch_version(), "threads": None,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "quick": bool(args.limit),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "quick": args.limit is not None and args.limit < SMOKE_LIMIT, "limit": args.limit,
            "source": source, "runs": runs, "tables": tables(runs, source, ood_ratios(args.ood)),
-           "notes": ["tasks and items: tlm_io/data/README.md (hellaswag_text and boolq_notitle stand in for lm-eval's "
+           "notes": [f"each task's first {args.limit} documents of its bundled sample (drawn at random)" if args.limit
+                     else "each task's whole bundled sample",
+                     "tasks and items: tlm_io/data/README.md (hellaswag_text and boolq_notitle stand in for lm-eval's "
                      "hellaswag and boolq); stderr is lm-eval's (binomial, over the sample's items)"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(raw, indent=1) + "\n")
