@@ -162,6 +162,17 @@ def test_bad_input_is_one_line(source, args, message):
         result.stderr
 
 
+def test_a_batch_whose_logits_do_not_fit_is_refused_before_any_request(source, monkeypatch):
+    import tlm_io.harness
+
+    monkeypatch.setattr(tlm_io.harness, "available_memory", lambda: 3 * 2**30)  # 3 GiB free
+    monkeypatch.setattr(tlm_io.harness, "REQUEST_TOKENS", 2**20)  # the tiny vocabulary's logits made large
+    result = _run(["eval", source, "--tasks", "piqa", "--batch-size", "8"])
+    assert result.exit_code == 1 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert "--batch-size 8: lm-eval holds a batch's logits at once" in result.stderr
+    assert "use --batch-size" in result.stderr, result.stderr
+
+
 def test_without_lm_eval_the_command_names_the_extra(source, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: importing it raises ImportError
     result = _run(["eval", source, "--tasks", "piqa"])

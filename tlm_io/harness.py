@@ -23,10 +23,12 @@ from pathlib import Path
 import yaml
 
 from .errors import ConversionError, first_few
+from .sizes import available_memory
 
 TASK_DATA = Path(__file__).resolve().parent / "data" / "tasks"  # the bundled samples (tlm_io/data/README.md)
 EXTRA = 'pip install -e ".[eval]"'  # or: pip install "lm-eval>=0.4.13"
 HUB = "hub"  # task_data: lm-eval's own task configs, from the datasets cache
+REQUEST_TOKENS = 512  # a long request of the bundled suite (a BoolQ passage, a HellaSwag context): the logits' size
 BOOTSTRAP_ITERS = 1000  # bootstrap resamples for the stderr of non-mean metrics (lambada's perplexity)
 
 
@@ -213,6 +215,20 @@ def hf_model(model, tokenizer, batch_size: int = 8, max_length: int | None = Non
                 max_length=max_length)
 
 
+def check_logits_memory(model, batch_size: int) -> None:
+    """ConversionError when lm-eval's logits of one batch (batch x REQUEST_TOKENS x vocabulary, fp32, with their
+    log-softmax) would not fit the memory left: the batch size that fits, named before any request runs."""
+    vocab = getattr(model.config, "vocab_size", None) or 0
+    per_row = REQUEST_TOKENS * vocab * 4 * 2
+    free = available_memory()
+    if per_row and batch_size * per_row > free:
+        fits = max(1, free // per_row)
+        raise ConversionError(f"--batch-size {batch_size}: lm-eval holds a batch's logits at once ({batch_size} x "
+                              f"{REQUEST_TOKENS} tokens x {vocab:,} vocabulary entries, about "
+                              f"{batch_size * per_row / 2**30:.1f} GiB with their log-softmax), more than the "
+                              f"{free / 2**30:.1f} GiB free; use --batch-size {fits} or less")
+
+
 def evaluate_tasks(model, tokenizer, tasks, *, limit: float | None = None, num_fewshot: int | None = None,
                    batch_size: int = 8, include_path: tuple[str, ...] | list[str] = (), task_data: str | None = None,
                    output_path: str | None = None, model_name: str = "model", max_length: int | None = None) -> dict:
@@ -224,6 +240,7 @@ def evaluate_tasks(model, tokenizer, tasks, *, limit: float | None = None, num_f
     limit = check_limit(limit)
     if num_fewshot is not None and num_fewshot < 0:
         raise ConversionError(f"--num-fewshot {num_fewshot}: must be 0 or more")
+    check_logits_memory(model, batch_size)
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
 
@@ -307,6 +324,6 @@ def mean_accuracy(summary: dict[str, dict]) -> float | None:
     return sum(accs) / len(accs) if accs else None
 
 
-__all__ = ["BOOTSTRAP_ITERS", "BUNDLED", "CHANCE", "EXTRA", "HUB", "LOCAL_TASKS", "LocalTask", "STANDARD", "TASK_DATA",
+__all__ = ["BOOTSTRAP_ITERS", "BUNDLED", "CHANCE", "REQUEST_TOKENS", "check_logits_memory", "EXTRA", "HUB", "LOCAL_TASKS", "LocalTask", "STANDARD", "TASK_DATA",
            "accuracy_rows", "accuracy_summary", "accuracy_table", "quiet_harness", "read_task_yaml", "check_limit", "evaluate_tasks", "hf_model", "mean_accuracy",
            "offline_datasets", "parse_tasks", "require_lm_eval", "task_folder", "task_manager"]
