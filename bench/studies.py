@@ -70,6 +70,12 @@ STUDY_LIST = [
     Study("gradual-taper", "A taper reached in stages (`--set taper_stages=K`)",
           "Does reaching the widths in several conversions, each healed, beat one conversion healed as long?",
           also=["heal_obs", "heal_gemma_relative"]),
+    Study("fold", "Fold instead of drop (`--set shrink=fold`)",
+          "Should a shrinking layer merge its neurons into clusters (model folding) instead of dropping the "
+          "lowest-ranked ones?",
+          also=["fisher_token", "heal_fisher_token", "fisher_token_seed1", "heal_fisher_token_seed1",
+                "fisher_token_seed2", "heal_fisher_token_seed2", "gemma_fisher_token", "heal_gemma_fisher_token"],
+          varied="fold"),
     Study("heal-step", "The heal step's loss and its chunk",
           "What does distillation cost a step, and how large a chunk of positions should the chunked loss take?"),
     Study("compare", "Converted then trained, against trained as it is",

@@ -209,6 +209,33 @@ LOGS: dict[str, list[tuple[str, str]]] = {
          "One heal step side by side: no teacher (plain), the whole-logit KL, the chunked KL (the heal's) and the "
          "teacher's cached top k (the first file)."),
     ],
+    "fold": [
+        ("2026-12-06",
+         "The rule, stated before the runs: the fold becomes the default if it beats the default (Fisher drop and "
+         "refit) on both families by more than the seed spread, right after conversion and after a 24,576-token "
+         "heal; else it stays a method knob with this page, or is removed. The fold (tlm_convert/fold.py): "
+         "scikit-learn's k-means on each neuron's gate and up rows in the metric of their pre-activations on the "
+         "calibration tokens, weighted by the Fisher scores and started from the neurons the drop keeps (10 Lloyd "
+         "iterations at most); a cluster's rows are its members' weighted mean, its down column their sum, and the "
+         "residual refit then fits the down projection on the folded neurons' own activations."),
+        ("2026-12-06",
+         "SmolLM2-135M, the default's calibration blocks, conversion seeds 0 / 1 / 2 (growth noise and Fisher "
+         "targets; the same seeds as the default's rows): folded {ood:fold_seed0} / {ood:fold_seed1} / "
+         "{ood:fold_seed2} right after conversion (geometric mean {gmean:fold_seed0,fold_seed1,fold_seed2}) against "
+         "the drop's {ood:fisher_token} / {ood:fisher_token_seed1} / {ood:fisher_token_seed2} "
+         "({gmean:fisher_token,fisher_token_seed1,fisher_token_seed2}); after 24,576 heal tokens "
+         "{gmean:heal_fold_seed0,heal_fold_seed1,heal_fold_seed2@24576} against "
+         "{gmean:heal_fisher_token,heal_fisher_token_seed1,heal_fisher_token_seed2@24576}. Every set is worse at "
+         "every seed, by far more than the seeds' spread, and the heal does not close the gap. The conversion's CPU "
+         "is the drop's ({cpu:fold_seed0} s against {cpu:fisher_token} s, beside other jobs): the clustering costs "
+         "about a second a layer. GEMMA_FOLD_TEXT"),
+        ("2026-12-06",
+         "Reading by the rule: the fold loses on both families, so the drop stays the default and the fold stays a "
+         "method knob (`--set shrink=fold`) with this page. What a single MLP showed before the runs (not kept as a "
+         "file): the merged neurons' error on held-out tokens was above the drop's at every layer tried, and the "
+         "closer a merge stayed to its seed neuron the better, the drop being that limit; the refit already "
+         "recovers most of what the dropped neurons carried, and merging perturbs the neurons it keeps."),
+    ],
     "compare": [
         ("2026-12-03",
          "`tlm compare` at CPU scale, 5 seeds each (`recipes/compare/*.yaml`). Attention (N = 90 steps): the "
