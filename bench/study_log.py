@@ -227,8 +227,12 @@ LOGS: dict[str, list[tuple[str, str]]] = {
          "{gmean:heal_fold_seed0,heal_fold_seed1,heal_fold_seed2@24576} against "
          "{gmean:heal_fisher_token,heal_fisher_token_seed1,heal_fisher_token_seed2@24576}. Every set is worse at "
          "every seed, by far more than the seeds' spread, and the heal does not close the gap. The conversion's CPU "
-         "is the drop's ({cpu:fold_seed0} s against {cpu:fisher_token} s, beside other jobs): the clustering costs "
-         "about a second a layer. GEMMA_FOLD_TEXT"),
+         "is no more than the drop's ({cpu:fold_seed0} / {cpu:fold_seed1} / {cpu:fold_seed2} s against "
+         "{cpu:fisher_token} / {cpu:fisher_token_seed1} / {cpu:fisher_token_seed2} s, each beside another job): the "
+         "clustering's cost is lost in the shared machines' spread. Gemma 3 270M (seed 0; its calibration blocks "
+         "drawn anew with the default's seed, that cache not kept): folded {ood:gemma_fold} right after conversion "
+         "against the drop's {ood:gemma_fisher_token}, and {ood:heal_gemma_fold@24576} against "
+         "{ood:heal_gemma_fisher_token@24576} after 24,576 heal tokens, again worse on every set."),
         ("2026-12-06",
          "Reading by the rule: the fold loses on both families, so the drop stays the default and the fold stays a "
          "method knob (`--set shrink=fold`) with this page. What a single MLP showed before the runs (not kept as a "
