@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import click
 
 from tlm_io.errors import ConversionError, Stopped, TLMError, one_line
+from tlm_io.signals import default_in_forked_child
 
 DEBUG_ENV = "TLM_DEBUG"  # set to 1 to get the traceback of an unexpected error instead of the one-line message
 
@@ -68,9 +69,11 @@ def stop_on_signals():
     prints one line, exit 143 or 130) instead of ending the process silently or with a traceback; a second signal
     while stopping is ignored. A training run installs its own handler (a checkpoint at the next step) and restores
     this one."""
-    fired = []
+    fired, owner = [], os.getpid()
 
     def handler(signum, frame):
+        if default_in_forked_child(owner, signum):
+            return
         if not fired:
             fired.append(signum)
             raise Stopped(signal.Signals(signum).name)

@@ -23,8 +23,14 @@ import os
 import signal
 import sys
 
+from tlm_io.signals import default_in_forked_child  # os and signal only: as light as the handlers need
+
+_OWNER = os.getpid()
+
 
 def _stopped_while_starting(signum, frame) -> None:
+    if default_in_forked_child(_OWNER, signum):
+        return
     os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was written\n".encode())
     os._exit(128 + signum)
 
