@@ -409,6 +409,13 @@ def test_a_data_folder_of_empty_files_says_so(source, tmp_path, files):
     assert f"every data file in '{tmp_path / 'data'}' is empty" in line and "Schema" not in line, line
 
 
+def test_an_empty_data_folder_says_so(source, tmp_path):
+    """Issue case, the folder with nothing in it at all."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    line = _one_error_line(_tlm(["eval", source, "--data", tmp_path / "data", "--seq-len", "32"]))
+    assert f"no .txt, .jsonl, .json or .parquet files in '{tmp_path / 'data'}'" in line and "Schema" not in line, line
+
+
 def test_an_empty_jsonl_file_says_so(source, tmp_path):
     (tmp_path / "d.jsonl").write_text("")
     line = _one_error_line(_tlm(["eval", source, "--data", tmp_path / "d.jsonl", "--seq-len", "32"]))

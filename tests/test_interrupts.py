@@ -201,10 +201,14 @@ def test_tlm_convert_is_one_line_when_stopped_while_starting(source, tmp_path, s
 
 
 @pytest.mark.skipif(not PROC, reason="reads /proc")
-def test_tlm_train_is_one_line_when_stopped_while_starting(tmp_path):
+@pytest.mark.parametrize("signum, moment", [(signal.SIGINT, _handler_installed), (signal.SIGTERM, _importing_torch)],
+                         ids=["sigint-first-moment", "sigterm-importing-torch"])
+def test_tlm_train_is_one_line_when_stopped_while_starting(tmp_path, signum, moment):
+    """Issue cases: Ctrl-C and SIGTERM while tlm train started (the same two moments as tlm-convert's, one each)."""
     recipe = _write_recipe(tmp_path, _tiny_recipe(tmp_path))
-    code, err = _signal_at(["tlm_cli", "train", recipe, "--no-progress"], _importing_torch, signal.SIGTERM, ROOT)
-    assert code == 143 and err == "error: stopped by SIGTERM while starting; nothing was written\n", (code, err)
+    code, err = _signal_at(["tlm_cli", "train", recipe, "--no-progress"], moment, signum, ROOT)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum and err == f"error: stopped by {name} while starting; nothing was written\n", (code, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
 
 
