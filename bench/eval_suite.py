@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_TITLES = {"smollm2-135m": "SmolLM2-135M and its conversions", "gemma3-270m": "Gemma 3 270M and its conversions"}
+BENCHMARK_OF = {"gemma3-270m": "accuracy-gemma3"}  # a source's own result file (bench/suite.py); else "accuracy"
 SMOKE_LIMIT = 100  # fewer documents a task than this: a check that it runs, not a measurement
 sys.path.insert(0, str(ROOT))
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
         done.write_text(json.dumps(runs[-1], indent=1) + "\n")
     source = args.source or pairs[0][0]
     source_path = next((r["path"] for r in runs if r["label"] == source), source)
-    raw = {"benchmark": "accuracy", "topic": "quality",
+    raw = {"benchmark": BENCHMARK_OF.get(source_path, "accuracy"), "topic": "quality",
            "title": f"Zero-shot accuracy on the bundled suite: {SOURCE_TITLES.get(source_path, source_path)}",
            "command": "python bench/eval_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": machine(), "torch": torch_version(), "threads": None,

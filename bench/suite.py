@@ -311,6 +311,8 @@ BENCHMARKS = {b.name: b for b in [
               "conversion at size", ["bench/gpu_check.py"], quick=["--dry"]),  # its own tables (bench/gpu_check.py)
     # zero-shot accuracy (lm-evaluation-harness): the script writes its own tables; ARGS name the models
     Benchmark("accuracy", "quality", "Zero-shot accuracy on the bundled suite", ["bench/eval_suite.py"]),
+    Benchmark("accuracy-gemma3", "quality", "Zero-shot accuracy on the bundled suite: Gemma 3 270M",
+              ["bench/eval_suite.py"]),
     Benchmark("eval-speed", "other", "`tlm eval --tasks` against lm-eval's own HFLM on the same checkpoint",
               ["bench/eval_speed.py"]),
 ]}

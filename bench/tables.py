@@ -82,16 +82,23 @@ def short_machine(data: dict) -> str:
 
 # options of the bench scripts that say where files go or how many threads run, not what is measured
 PLUMBING = {"--calibration-cache", "--save", "--work", "--out", "--threads", "--json", "--workdir", "--results-dir"}
+# options of several values that the section's own table lists (eval_suite.py's models and their OOD rows)
+LISTED = {"--models": "LABEL=PATH ...", "--ood": "LABEL=STEM ..."}
 
 
 def short_command(data: dict) -> str:
     """The command up to its first ``;`` or ``, then``, without the paths it reads and writes (``--save``,
-    ``--out`` ...) and with a bench script named by its file alone (the whole command stays in the file)."""
+    ``--out`` ...), the values its table lists (``--models`` ...) as a placeholder, and with a bench script named by
+    its file alone (the whole command stays in the file)."""
     command = re.split(r";|, then | \(", str(data.get("command") or "not recorded"))[0]
-    words, out, skip = command.split(), [], False
+    words, out, skip, listing = command.split(), [], False, False
     for i, word in enumerate(words):
-        if skip:
+        listing = listing and not word.startswith("-")
+        if skip or listing:
             skip = False
+        elif word in LISTED:
+            out += [word, LISTED[word]]
+            listing = True
         elif word in PLUMBING:
             skip = True
         elif not (word == "OMP_NUM_THREADS=1" or word == "python" and words[i + 1:i + 2] != ["-m"]):

@@ -402,3 +402,10 @@ def test_the_accuracy_table_ranks_models_by_accuracy_and_by_the_perplexity_its_r
     assert (rank["concordant_pairs"], rank["pairs"]) == (2, 3)
     with pytest.raises(SystemExit, match="no heal point at 7 tokens"):
         ood_ratios(["x=heal_fisher_token@7"])
+
+
+def test_the_short_command_drops_paths_and_the_values_its_table_lists():
+    data = {"command": "python bench/eval_suite.py --models source=smollm2-135m default=runs/q/a --work runs/acc "
+                       "--limit 100 --ood default=a healed=h@24576 --out bench/results/accuracy.json"}
+    assert tables.short_command(data) == "eval_suite.py --models LABEL=PATH ... --limit 100 --ood LABEL=STEM ..."
+    assert tables.short_command({"command": "OMP_NUM_THREADS=1 python -m bench demo"}) == "python -m bench demo"
