@@ -1,9 +1,10 @@
 """Signal handlers that stay with the process that installed them.
 
-A command's handlers (a one-line stop, a checkpoint at the next step) are inherited by every process it forks: a
-library's worker pool (lm-evaluation-harness bootstraps its stderr in a ``multiprocessing`` pool), a DataLoader
-worker. There, SIGTERM comes from the pool's ``terminate()`` and must end the worker; a handler that raises or sets a
-flag instead leaves the worker alive and the command waiting on it forever.
+A command's one-line-stop handlers are inherited by every process it forks, such as a library's worker pool
+(lm-evaluation-harness bootstraps its stderr in a ``multiprocessing`` pool). There, SIGTERM comes from the pool's
+``terminate()`` and must end the worker; a handler that raises instead can leave the worker alive and the command
+waiting on it forever. (A training run's handler, which only sets a flag, stays inherited on purpose: its DataLoader
+workers must outlive a Ctrl-C to the group while the run steps on to its checkpoint.)
 """
 
 from __future__ import annotations

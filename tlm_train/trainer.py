@@ -58,7 +58,6 @@ from tlm.slow import SlowLevels
 from tlm_io.errors import ConversionError, TLMError, TrainError
 from tlm_io.load import check_positions, check_token_ids
 from tlm_io.perplexity import nll_sum
-from tlm_io.signals import default_in_forked_child
 from tlm_io.text import text_prefix, to_blocks
 
 from .budget import TRAINING, Budget, Limits, Phase
@@ -270,8 +269,6 @@ class _Run:
         return loss
 
     def _on_signal(self, signum, frame) -> None:
-        if default_in_forked_child(self.pid, signum):  # a DataLoader worker: its pool ends it
-            return
         self.stop_requested = signal.Signals(signum).name
 
     # ---------------------------------------------------------------------------------------------- the run
@@ -284,7 +281,6 @@ class _Run:
             r.save(self.out / "recipe.yaml")
         d.barrier()
         self.metrics = MetricsLog(self.out, self.step, d.main, r.log.tensorboard)
-        self.pid = os.getpid()
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         bar = None
         if d.main and self.show_progress:
