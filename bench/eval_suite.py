@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.suite import machine, table, torch_version  # noqa: E402
 from bench.tables import point_ood, result_files  # noqa: E402
-from tlm_io.harness import BUNDLED, CHANCE, accuracy_summary, mean_accuracy  # noqa: E402
+from tlm_io.harness import BUNDLED, CHANCE, accuracy_summary, mean_accuracy, mean_accuracy_stderr  # noqa: E402
 
 
 def run_model(label: str, path: str, args) -> dict:
@@ -78,13 +79,26 @@ def ood_ratios(pairs: list[str]) -> dict[str, float]:
 
 
 def ranking(runs: list[dict], ood: dict[str, float]) -> dict:
-    """The models with an OOD ratio, best first by mean accuracy and by perplexity, and their concordant pairs."""
+    """The models with an OOD ratio, best first by mean accuracy and by perplexity, and their concordant pairs; the
+    pairs whose mean accuracies differ by more than 2 stderr of the difference (``resolved``, better first), and how
+    many of those the perplexity puts in the same order."""
     rated = [r for r in runs if r["label"] in ood and r["mean_acc"] is not None]
     pairs = [(a, b) for i, a in enumerate(rated) for b in rated[i + 1:]]
     agree = sum((a["mean_acc"] - b["mean_acc"]) * (ood[b["label"]] - ood[a["label"]]) > 0 for a, b in pairs)
+    err = {r["label"]: mean_accuracy_stderr(r["accuracy"]) for r in rated}
+    resolved = [(a, b) if a["mean_acc"] > b["mean_acc"] else (b, a) for a, b in pairs
+                if err[a["label"]] is not None and err[b["label"]] is not None
+                and abs(a["mean_acc"] - b["mean_acc"]) > 2 * math.hypot(err[a["label"]], err[b["label"]])]
     return {"by_accuracy": [r["label"] for r in sorted(rated, key=lambda r: -r["mean_acc"])],
             "by_perplexity": [r["label"] for r in sorted(rated, key=lambda r: ood[r["label"]])],
-            "concordant_pairs": agree, "pairs": len(pairs)}
+            "concordant_pairs": agree, "pairs": len(pairs),
+            "resolved": [(a["label"], b["label"]) for a, b in resolved],
+            "resolved_concordant": sum(ood[a["label"]] < ood[b["label"]] for a, b in resolved)}
+
+
+def mean_cell(summary: dict) -> str | None:
+    mean, err = mean_accuracy(summary), mean_accuracy_stderr(summary)
+    return None if mean is None else f"{mean:.3f}" + ("" if err is None else f" ± {err:.3f}")
 
 
 def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = None) -> list[dict]:
@@ -95,9 +109,10 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
     for r in runs:
         retention = None if base is None or not base["mean_acc"] else f"{100 * r['mean_acc'] / base['mean_acc']:.1f}%"
         rows.append([r["label"]] + [cell(r["accuracy"].get(t), "acc") for t in tasks]
-                    + [None if r["mean_acc"] is None else f"{r['mean_acc']:.3f}", retention]
+                    + [mean_cell(r["accuracy"]), retention]
                     + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else []))
-    out = [table("acc ± stderr per task (lm-evaluation-harness on the bundled samples), the mean, and retention "
+    out = [table("acc ± stderr per task (lm-evaluation-harness on the bundled samples), the mean ± its stderr (the "
+                 "tasks' as independent), and retention "
                  f"(% of {source or 'the source'}'s mean)" + ("; OOD: the perplexity ratio out of domain" if ood else ""),
                  ["model", *tasks, "mean acc", "retention"] + (["OOD"] if ood else []), rows)]
     if ood:
@@ -106,7 +121,11 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
                          ["by", "ranking", "pairs in the same order"],
                          [["mean accuracy", ", ".join(rank["by_accuracy"]), None],
                           ["OOD perplexity", ", ".join(rank["by_perplexity"]),
-                           f"{rank['concordant_pairs']} of {rank['pairs']}"]]))
+                           f"{rank['concordant_pairs']} of {rank['pairs']}"],
+                          ["mean accuracy, the pairs apart by > 2 stderr of their difference",
+                           ", ".join(f"{a} > {b}" for a, b in rank["resolved"]) or "none",
+                           f"{rank['resolved_concordant']} of {len(rank['resolved'])} in the perplexity's order"
+                           if rank["resolved"] else None]]))
     normed = [t for t in tasks if any("acc_norm" in r["accuracy"].get(t, {}) for r in runs)]
     if normed:
         out.append(table("acc_norm ± stderr (length-normalized), where the task has it", ["model", *normed],

@@ -46,6 +46,7 @@ STUDY_LIST = [
     Study("measured-taper", "Widths from the source (`--schedule measured-taper`)",
           "Does a taper measured on the source itself lose less than the paper's cosine taper?",
           also=["measured_taper_fisher_token", "heal_measured_taper_fisher_token", "fisher_token", "heal_fisher_token",
+                "gemma_measured_taper_fisher_token", "heal_gemma_measured_taper_fisher_token", "gemma_fisher_token", "heal_gemma_fisher_token",
                 "gemma_fisher", "heal_gemma_fisher", "obs_default", "heal_obs"]),
     Study("calibration-size", "The calibration's size and draw (`--calibration-tokens`)",
           "How much does the calibration text's size move the conversion, and how much its draw alone?",

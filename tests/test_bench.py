@@ -396,12 +396,24 @@ def test_the_accuracy_table_ranks_models_by_accuracy_and_by_the_perplexity_its_r
     ood = ood_ratios(["converted=fisher_token", "healed=heal_fisher_token@24576"])
     assert ood == {"converted": json.loads((tables.QUALITY / "fisher_token.json").read_text())["ood_geomean"],
                    "healed": tables.point_ood(heal, at)}
-    runs = [{"label": name, "mean_acc": acc} for name, acc in (("source", 0.5), ("a", 0.45), ("b", 0.40), ("c", 0.42))]
-    rank = ranking(runs, {"a": 1.1, "b": 1.2, "c": 1.3})  # c: better accuracy than b, worse perplexity
-    assert rank["by_accuracy"] == ["a", "c", "b"] and rank["by_perplexity"] == ["a", "b", "c"]
+    runs = [{"label": name, "mean_acc": acc, "accuracy": {"t": {"acc": acc, "acc_stderr": 0.01}}}
+            for name, acc in (("source", 0.5), ("a", 0.45), ("b", 0.40), ("c", 0.42))]
+    rank = ranking(runs, {"a": 1.1, "b": 1.2, "c": 1.05})  # c: better perplexity than a, worse accuracy
+    assert rank["by_accuracy"] == ["a", "c", "b"] and rank["by_perplexity"] == ["c", "a", "b"]
     assert (rank["concordant_pairs"], rank["pairs"]) == (2, 3)
+    # apart by > 2 * hypot(0.01, 0.01) = 0.028: a-b (0.05) and a-c (0.03), not c-b (0.02); perplexity agrees on a-b
+    assert rank["resolved"] == [("a", "b"), ("a", "c")] and rank["resolved_concordant"] == 1
     with pytest.raises(SystemExit, match="no heal point at 7 tokens"):
         ood_ratios(["x=heal_fisher_token@7"])
+
+
+def test_the_mean_accuracy_stderr_takes_the_tasks_as_independent():
+    from tlm_io.harness import mean_accuracy, mean_accuracy_stderr
+
+    summary = {"x": {"acc": 0.5, "acc_stderr": 0.03}, "y": {"acc": 0.3, "acc_stderr": 0.04}, "z": {"acc_norm": 0.9}}
+    assert mean_accuracy(summary) == pytest.approx(0.4)
+    assert mean_accuracy_stderr(summary) == pytest.approx(0.025)  # sqrt(0.03^2 + 0.04^2) / 2
+    assert mean_accuracy_stderr({"x": {"acc": 0.5, "acc_stderr": None}}) is None
 
 
 def test_the_short_command_drops_paths_and_the_values_its_table_lists():
@@ -409,3 +421,5 @@ def test_the_short_command_drops_paths_and_the_values_its_table_lists():
                        "--limit 100 --ood default=a healed=h@24576 --out bench/results/accuracy.json"}
     assert tables.short_command(data) == "eval_suite.py --models LABEL=PATH ... --limit 100 --ood LABEL=STEM ..."
     assert tables.short_command({"command": "OMP_NUM_THREADS=1 python -m bench demo"}) == "python -m bench demo"
+    row = {"command": 'python bench/heal_curve.py runs/q/m --points 24576 --choice "--schedule measured-taper" --out x'}
+    assert tables.short_command(row) == "heal_curve.py runs/q/m --points 24576"

@@ -324,6 +324,13 @@ def mean_accuracy(summary: dict[str, dict]) -> float | None:
     return sum(accs) / len(accs) if accs else None
 
 
+def mean_accuracy_stderr(summary: dict[str, dict]) -> float | None:
+    """The stderr of :func:`mean_accuracy`: the tasks' stderrs as independent, sqrt(sum s_i^2) / k; None where a
+    task with an acc has no stderr."""
+    errs = [t.get("acc_stderr") for t in summary.values() if "acc" in t]
+    return None if not errs or None in errs else math.sqrt(sum(e * e for e in errs)) / len(errs)
+
+
 __all__ = ["BOOTSTRAP_ITERS", "BUNDLED", "CHANCE", "REQUEST_TOKENS", "check_logits_memory", "EXTRA", "HUB", "LOCAL_TASKS", "LocalTask", "STANDARD", "TASK_DATA",
-           "accuracy_rows", "accuracy_summary", "accuracy_table", "quiet_harness", "read_task_yaml", "check_limit", "evaluate_tasks", "hf_model", "mean_accuracy",
+           "accuracy_rows", "accuracy_summary", "accuracy_table", "quiet_harness", "read_task_yaml", "check_limit", "evaluate_tasks", "hf_model", "mean_accuracy", "mean_accuracy_stderr",
            "offline_datasets", "parse_tasks", "require_lm_eval", "task_folder", "task_manager"]
