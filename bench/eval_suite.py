@@ -1,6 +1,8 @@
 """Zero-shot accuracy of several models on the bundled suite (``tlm eval MODEL --tasks bundled``), one process a model:
-per task acc / acc_norm ± stderr, the mean acc, its retention against the source, and each run's wall time, CPU
-seconds and peak memory.
+per task acc / acc_norm ± stderr, the mean acc ± its stderr, its retention against the source, and each run's wall
+time, CPU seconds and peak memory. Each run logs its documents (``--log-samples``; kept in its file as a string of
+0s and 1s a task), so two models' mean accuracies are compared paired, on the same documents; ``--ood`` ranks the
+models by accuracy beside their out-of-domain perplexity.
 
     python bench/eval_suite.py --models source=smollm2-135m default=runs/q/default [...] \\
         --work runs/accuracy --out bench/results/accuracy.json [--source source] [--limit N] [--batch-size 8]
@@ -30,14 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench.suite import machine, table, torch_version  # noqa: E402
 from bench.tables import point_ood, result_files  # noqa: E402
-from tlm_io.harness import BUNDLED, CHANCE, accuracy_summary, mean_accuracy, mean_accuracy_stderr  # noqa: E402
+from tlm_io.harness import (BUNDLED, CHANCE, accuracy_summary, mean_accuracy, mean_accuracy_stderr,  # noqa: E402
+                            sample_scores)
 
 
 def run_model(label: str, path: str, args) -> dict:
     """``tlm eval PATH --tasks ...`` in a child process: lm-eval's results, the child's wall, CPU and peak RSS."""
     out_dir = args.work / f"{label}-lm-eval"
     cmd = [sys.executable, "-m", "tlm_cli", "eval", path, "--tasks", args.tasks, "--batch-size", str(args.batch_size),
-           "--output-path", str(out_dir)] + (["--limit", str(args.limit)] if args.limit else [])
+           "--output-path", str(out_dir), "--log-samples"] + (["--limit", str(args.limit)] if args.limit else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=ROOT, env=env)
@@ -49,7 +52,37 @@ def run_model(label: str, path: str, args) -> dict:
     summary = accuracy_summary(results)
     return {"label": label, "path": path, "tasks": args.tasks, "limit": args.limit, "wall_s": round(wall, 1),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024),
-            "accuracy": summary, "mean_acc": mean_accuracy(summary), "command": " ".join(cmd[1:])}
+            "accuracy": summary, "mean_acc": mean_accuracy(summary), "items": item_scores(out_dir, summary),
+            "command": " ".join(cmd[1:])}
+
+
+def item_scores(out_dir: Path, summary: dict) -> dict[str, str]:
+    """{task: each document's acc in doc_id order, as a string of 0s and 1s} from the run's samples files: what a
+    paired comparison of two models on the same documents needs."""
+    items = {}
+    for task in (t for t in summary if "acc" in summary[t]):
+        files = sorted(out_dir.rglob(f"samples_{task}_*.jsonl"), key=lambda p: p.stat().st_mtime)
+        scores = sample_scores(files[-1]) if files else {}
+        if scores and set(scores.values()) <= {0.0, 1.0}:
+            items[task] = "".join(str(int(scores[d])) for d in sorted(scores))
+    return items
+
+
+def pair_stderr(a: dict, b: dict) -> tuple[float | None, bool]:
+    """The stderr of mean_acc(a) - mean_acc(b), and whether it is paired: over the same documents (each task's
+    per-document differences, their variance / n, summed over tasks, / k^2) where both runs logged every task's
+    documents; else the two stderrs as independent."""
+    tasks = [t for t in a["accuracy"] if "acc" in a["accuracy"][t]]
+    ia, ib = a.get("items") or {}, b.get("items") or {}
+    if tasks and all(t in ia and t in ib and len(ia[t]) == len(ib[t]) > 1 for t in tasks):
+        var = 0.0
+        for t in tasks:
+            d = [int(x) - int(y) for x, y in zip(ia[t], ib[t])]
+            mean = sum(d) / len(d)
+            var += sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)
+        return math.sqrt(var) / len(tasks), True
+    ea, eb = mean_accuracy_stderr(a["accuracy"]), mean_accuracy_stderr(b["accuracy"])
+    return (None if ea is None or eb is None else math.hypot(ea, eb)), False
 
 
 def cell(task: dict | None, key: str) -> str | None:
@@ -85,15 +118,22 @@ def ranking(runs: list[dict], ood: dict[str, float]) -> dict:
     rated = [r for r in runs if r["label"] in ood and r["mean_acc"] is not None]
     pairs = [(a, b) for i, a in enumerate(rated) for b in rated[i + 1:]]
     agree = sum((a["mean_acc"] - b["mean_acc"]) * (ood[b["label"]] - ood[a["label"]]) > 0 for a, b in pairs)
-    err = {r["label"]: mean_accuracy_stderr(r["accuracy"]) for r in rated}
-    resolved = [(a, b) if a["mean_acc"] > b["mean_acc"] else (b, a) for a, b in pairs
-                if err[a["label"]] is not None and err[b["label"]] is not None
-                and abs(a["mean_acc"] - b["mean_acc"]) > 2 * math.hypot(err[a["label"]], err[b["label"]])]
+    errs = [pair_stderr(a, b) for a, b in pairs]
+    resolved = [(a, b) if a["mean_acc"] > b["mean_acc"] else (b, a) for (a, b), (err, _) in zip(pairs, errs)
+                if err is not None and abs(a["mean_acc"] - b["mean_acc"]) > 2 * err]
     return {"by_accuracy": [r["label"] for r in sorted(rated, key=lambda r: -r["mean_acc"])],
             "by_perplexity": [r["label"] for r in sorted(rated, key=lambda r: ood[r["label"]])],
-            "concordant_pairs": agree, "pairs": len(pairs),
+            "concordant_pairs": agree, "pairs": len(pairs), "paired": sum(p for _, p in errs),
             "resolved": [(a["label"], b["label"]) for a, b in resolved],
             "resolved_concordant": sum(ood[a["label"]] < ood[b["label"]] for a, b in resolved)}
+
+
+def against(run: dict, base: dict | None) -> str | None:
+    """``run``'s mean accuracy minus the source's ± the stderr of the difference (pair_stderr)."""
+    if base is None or run is base or run["mean_acc"] is None or base["mean_acc"] is None:
+        return None
+    err, _ = pair_stderr(run, base)
+    return f"{run['mean_acc'] - base['mean_acc']:+.3f}" + ("" if err is None else f" ± {err:.3f}")
 
 
 def mean_cell(summary: dict) -> str | None:
@@ -109,12 +149,12 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
     for r in runs:
         retention = None if base is None or not base["mean_acc"] else f"{100 * r['mean_acc'] / base['mean_acc']:.1f}%"
         rows.append([r["label"]] + [cell(r["accuracy"].get(t), "acc") for t in tasks]
-                    + [mean_cell(r["accuracy"]), retention]
+                    + [mean_cell(r["accuracy"]), retention, against(r, base)]
                     + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else []))
-    out = [table("acc ± stderr per task (lm-evaluation-harness on the bundled samples), the mean ± its stderr (the "
-                 "tasks' as independent), and retention "
-                 f"(% of {source or 'the source'}'s mean)" + ("; OOD: the perplexity ratio out of domain" if ood else ""),
-                 ["model", *tasks, "mean acc", "retention"] + (["OOD"] if ood else []), rows)]
+    out = [table("acc ± stderr per task (lm-eval, bundled samples); mean ± stderr (tasks as independent); retention "
+                 f"(% of {source or 'the source'}'s mean); vs source: the mean's difference ± its stderr (paired on "
+                 "the same documents where both logged them)" + ("; OOD: perplexity ratio out of domain" if ood else ""),
+                 ["model", *tasks, "mean acc", "retention", "vs source"] + (["OOD"] if ood else []), rows)]
     if ood:
         rank = ranking(runs, ood)
         out.append(table("the models ranked, best first: by mean accuracy and by OOD perplexity ratio",
@@ -122,7 +162,9 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
                          [["mean accuracy", ", ".join(rank["by_accuracy"]), None],
                           ["OOD perplexity", ", ".join(rank["by_perplexity"]),
                            f"{rank['concordant_pairs']} of {rank['pairs']}"],
-                          ["mean accuracy, the pairs apart by > 2 stderr of their difference",
+                          ["mean accuracy, the pairs apart by > 2 stderr of their difference ("
+                           + ("paired: the same documents" if rank["paired"] == rank["pairs"] else
+                              "unpaired" if not rank["paired"] else f"paired in {rank['paired']} of them") + ")",
                            ", ".join(f"{a} > {b}" for a, b in rank["resolved"]) or "none",
                            f"{rank['resolved_concordant']} of {len(rank['resolved'])} in the perplexity's order"
                            if rank["resolved"] else None]]))

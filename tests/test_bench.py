@@ -407,6 +407,35 @@ def test_the_accuracy_table_ranks_models_by_accuracy_and_by_the_perplexity_its_r
         ood_ratios(["x=heal_fisher_token@7"])
 
 
+def test_a_pair_logged_on_the_same_documents_is_compared_paired():
+    from bench.eval_suite import pair_stderr
+
+    def run(x: str, y: str) -> dict:
+        acc = {t: {"acc": v.count("1") / len(v), "acc_stderr": 0.1} for t, v in (("x", x), ("y", y))}
+        return {"accuracy": acc, "items": {"x": x, "y": y}}
+
+    a, b = run("1101", "0011"), run("1001", "0111")
+    # differences: x (0, 1, 0, 0): mean 1/4, sample variance 1/4, / n -> 1/16; y (0, -1, 0, 0): the same
+    err, paired = pair_stderr(a, b)
+    assert paired and err == pytest.approx(math.sqrt(1 / 16 + 1 / 16) / 2)
+    b.pop("items")  # one run without its documents: the two stderrs as independent
+    assert pair_stderr(a, b) == (pytest.approx(math.hypot(0.1 * math.sqrt(2) / 2, 0.1 * math.sqrt(2) / 2)), False)
+
+
+def test_the_accuracy_table_shows_each_models_difference_from_the_source_paired():
+    from bench.eval_suite import tables
+
+    def run(label: str, x: str, y: str) -> dict:
+        acc = {t: {"acc": v.count("1") / len(v), "acc_stderr": 0.1, "n": len(v)} for t, v in (("x", x), ("y", y))}
+        return {"label": label, "accuracy": acc, "items": {"x": x, "y": y}, "mean_acc": (x + y).count("1") / 8,
+                "wall_s": 1.0, "cpu_s": 1.0, "peak_rss_mb": 1}
+
+    first = tables([run("source", "1001", "0111"), run("c", "1101", "0011")], "source")[0]
+    assert first["columns"][-2:] == ["retention", "vs source"]
+    assert first["rows"][0][-1] is None  # the source itself
+    assert first["rows"][1][-1] == f"+0.000 ± {math.sqrt(1 / 8) / 2:.3f}"  # +1/4 on x, -1/4 on y
+
+
 def test_the_mean_accuracy_stderr_takes_the_tasks_as_independent():
     from tlm_io.harness import mean_accuracy, mean_accuracy_stderr
 

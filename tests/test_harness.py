@@ -20,7 +20,7 @@ from tlm_io.load import load_model
 
 from lm_eval.api.instance import Instance  # the eval extra is part of the test extra
 
-from tlm_io.harness import LOCAL_TASKS, TASK_DATA, evaluate_tasks, hf_model
+from tlm_io.harness import LOCAL_TASKS, TASK_DATA, evaluate_tasks, hf_model, sample_scores
 
 TOL = 1e-5
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -78,9 +78,11 @@ def test_rolling_loglikelihood_equals_a_direct_computation(source):
 
 
 def test_a_bundled_task_runs_end_to_end(source, tmp_path):
-    """``tlm eval --tasks piqa --limit 8``: the table, lm-eval's results JSON, and an accuracy that a direct scoring
-    of the same 8 bundled documents with lm-eval's prompt reproduces."""
-    result = _run(["eval", source, "--tasks", "piqa", "--limit", 8, "--batch-size", 4, "--output-path", tmp_path])
+    """``tlm eval --tasks piqa --limit 8 --log-samples``: the table, lm-eval's results JSON, an accuracy that a direct
+    scoring of the same 8 bundled documents with lm-eval's prompt reproduces, and each document's logged record
+    right or wrong as that scoring says."""
+    result = _run(["eval", source, "--tasks", "piqa", "--limit", 8, "--batch-size", 4, "--output-path", tmp_path,
+                   "--log-samples"])
     assert result.exit_code == 0, result.output + result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
     assert rows[0] == ["task", "metric", "value", "stderr", "n"]
@@ -94,6 +96,9 @@ def test_a_bundled_task_runs_end_to_end(source, tmp_path):
     right = [max((0, 1), key=lambda i: _direct(model, tokenizer, f"Question: {d['goal']}\nAnswer:",
                                                 " " + d[f"sol{i + 1}"])) == d["label"] for d in docs]
     assert acc == pytest.approx(sum(right) / len(right), abs=1e-4)
+    assert "samples" not in data  # the records go to their own file, as lm-eval's CLI writes them
+    (records,) = tmp_path.rglob("samples_piqa_*.jsonl")
+    assert sample_scores(records) == {i: float(r) for i, r in enumerate(right)}
 
 
 def test_every_bundled_task_has_its_file():
@@ -154,6 +159,7 @@ def test_missing_task_data_is_one_line(source, tmp_path):
     (["--tasks", "piqa", "--task-data", "/no/such/dir"], "--task-data /no/such/dir"),
     (["--tasks", "piqa", "--include-path", "/no/such/dir"], "--include-path /no/such/dir"),
     (["--data", "default-eval", "--protocol", "gptq", "--stride", "4"], "drop --stride"),
+    (["--tasks", "piqa", "--log-samples"], "give --output-path"),
 ])
 def test_bad_input_is_one_line(source, args, message):
     result = _run(["eval", source, *args])

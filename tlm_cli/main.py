@@ -20,7 +20,8 @@ from tlm_io.export import FORMATS, export_checkpoint
 from tlm_io.gguf_export import WEIGHT_TYPES
 from tlm_io.load import check_positions, check_token_ids, load_model
 from tlm_io.locate import resolve_builtin
-from tlm_io.harness import accuracy_rows, accuracy_table, check_limit, evaluate_tasks, parse_tasks, require_lm_eval
+from tlm_io.harness import (accuracy_rows, accuracy_table, check_limit, check_log_samples, evaluate_tasks, parse_tasks,
+                            require_lm_eval)
 from tlm_io.outputs import add_to_marker, check_files_owned, check_writable_parent
 from tlm_io.perplexity import PROTOCOLS, strided_perplexity
 from tlm_io.text import eval_sources, load_text, text_prefix, token_blocks
@@ -70,9 +71,11 @@ tlm_main.add_command(convert_main, "convert")  # the very command of tlm-convert
               help="Where the standard tasks read their documents [the bundled samples]: a folder of full files "
                    "(arc_easy.jsonl, hellaswag.jsonl, ...), or 'hub': lm-eval's own tasks from the datasets cache.")
 @click.option("--output-path", default=None, help="Folder for lm-eval's results JSON (OUTPUT_PATH/MODEL/results_*.json).")
+@click.option("--log-samples", is_flag=True,
+              help="Also write each document's record (lm-eval's samples_TASK_*.jsonl) under --output-path.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run the model folder's own code.")
 def eval_command(model_path, data, data_format, protocol, seq_len, stride, max_tokens, tasks, limit, num_fewshot,
-                 batch_size, device, include_path, task_data, output_path, trust_remote_code):
+                 batch_size, device, include_path, task_data, output_path, log_samples, trust_remote_code):
     """Perplexity (--data: one JSON line per set) or zero-shot accuracy (--tasks: one table, through
     lm-evaluation-harness) of MODEL_PATH: a TLM, transformers folder, .gguf or built-in name."""
     try:
@@ -83,7 +86,7 @@ def eval_command(model_path, data, data_format, protocol, seq_len, stride, max_t
         check_device(device)
         if tasks:
             lines, results = None, _eval_tasks(model_path, tasks, limit, num_fewshot, batch_size, device,
-                                               include_path, task_data, output_path, trust_remote_code)
+                                               include_path, task_data, output_path, log_samples, trust_remote_code)
         else:
             lines = _eval_perplexity(model_path, data, data_format, protocol, seq_len, stride, max_tokens,
                                      batch_size, device, trust_remote_code)
@@ -99,18 +102,19 @@ def eval_command(model_path, data, data_format, protocol, seq_len, stride, max_t
 
 
 def _eval_tasks(model_path, tasks, limit, num_fewshot, batch_size, device, include_path, task_data, output_path,
-                trust_remote_code) -> dict:
+                log_samples, trust_remote_code) -> dict:
     """lm-eval's results of MODEL_PATH on ``tasks`` (tlm_io.harness); the arguments are checked first, the model
     loaded last."""
     require_lm_eval()
     parse_tasks(tasks)
     check_limit(limit)
+    check_log_samples(log_samples, output_path)
     if output_path is not None:
         check_writable_parent(Path(output_path).expanduser().absolute(), option="--output-path")
     model, tokenizer, _ = load_model(model_path, device=device, trust_remote_code=trust_remote_code)
     return evaluate_tasks(model, tokenizer, tasks, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                           include_path=include_path, task_data=task_data, output_path=output_path,
-                          model_name=model_path)
+                          model_name=model_path, log_samples=log_samples)
 
 
 def _eval_perplexity(model_path, data, data_format, protocol, seq_len, stride, max_tokens, batch_size, device,

@@ -231,15 +231,18 @@ def check_logits_memory(model, batch_size: int) -> None:
 
 def evaluate_tasks(model, tokenizer, tasks, *, limit: float | None = None, num_fewshot: int | None = None,
                    batch_size: int = 8, include_path: tuple[str, ...] | list[str] = (), task_data: str | None = None,
-                   output_path: str | None = None, model_name: str = "model", max_length: int | None = None) -> dict:
+                   output_path: str | None = None, model_name: str = "model", max_length: int | None = None,
+                   log_samples: bool = False) -> dict:
     """lm-eval's results dict (``results``, ``n-samples``, ``configs``, ...) of ``model`` on ``tasks`` (names or
     "a,b"; see the module doc), in-process and offline; also written as lm-eval's results JSON under
-    ``output_path`` (``OUTPUT_PATH/MODEL_NAME/results_DATE.json``, as lm-eval's CLI writes it)."""
+    ``output_path`` (``OUTPUT_PATH/MODEL_NAME/results_DATE.json``, as lm-eval's CLI writes it). ``log_samples``: each
+    document's record too (``results["samples"]``, and lm-eval's ``samples_TASK_DATE.jsonl`` beside the results)."""
     require_lm_eval()
     names = parse_tasks(tasks)
     limit = check_limit(limit)
     if num_fewshot is not None and num_fewshot < 0:
         raise ConversionError(f"--num-fewshot {num_fewshot}: must be 0 or more")
+    check_log_samples(log_samples, output_path)
     check_logits_memory(model, batch_size)
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
@@ -252,14 +255,36 @@ def evaluate_tasks(model, tokenizer, tasks, *, limit: float | None = None, num_f
         try:
             results = simple_evaluate(model=hf_model(model, tokenizer, batch_size, max_length), tasks=names,
                                       model_args={"pretrained": model_name}, task_manager=manager, limit=limit,
-                                      num_fewshot=num_fewshot, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
-                                      evaluation_tracker=tracker)
+                                      num_fewshot=num_fewshot, bootstrap_iters=BOOTSTRAP_ITERS,
+                                      log_samples=log_samples, evaluation_tracker=tracker)
         except (ConnectionError, FileNotFoundError) as err:  # a hub data set not in the cache
             raise ConversionError(f"tasks {', '.join(names)}: a data set is not available offline ({err}); use the "
                                   "bundled samples (no --task-data) or your own files (--task-data DIR)") from None
+    samples = results.pop("samples", None)  # as lm-eval's CLI: the records go to their own files, not the results'
     if tracker is not None:
-        tracker.save_results_aggregated(results=results, samples=None)
+        tracker.save_results_aggregated(results=results, samples=samples)
+        for task, records in (samples or {}).items():
+            tracker.save_results_samples(task_name=task, samples=records)
+    if samples is not None:
+        results["samples"] = samples
     return results
+
+
+def check_log_samples(log_samples: bool, output_path) -> None:
+    if log_samples and not output_path:
+        raise ConversionError("--log-samples writes each document's record under --output-path: give --output-path")
+
+
+def sample_scores(samples_file: str | Path, metric: str = "acc") -> dict[int, float]:
+    """{doc_id: the document's ``metric``} of one lm-eval ``samples_TASK_DATE.jsonl`` (``--log-samples``)."""
+    import json
+
+    scores = {}
+    for line in Path(samples_file).read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if metric in record:
+            scores[int(record["doc_id"])] = float(record[metric])
+    return scores
 
 
 def accuracy_rows(results: dict) -> list[dict]:
@@ -332,5 +357,5 @@ def mean_accuracy_stderr(summary: dict[str, dict]) -> float | None:
 
 
 __all__ = ["BOOTSTRAP_ITERS", "BUNDLED", "CHANCE", "REQUEST_TOKENS", "check_logits_memory", "EXTRA", "HUB", "LOCAL_TASKS", "LocalTask", "STANDARD", "TASK_DATA",
-           "accuracy_rows", "accuracy_summary", "accuracy_table", "quiet_harness", "read_task_yaml", "check_limit", "evaluate_tasks", "hf_model", "mean_accuracy", "mean_accuracy_stderr",
+           "accuracy_rows", "accuracy_summary", "accuracy_table", "quiet_harness", "read_task_yaml", "sample_scores", "check_limit", "check_log_samples", "evaluate_tasks", "hf_model", "mean_accuracy", "mean_accuracy_stderr",
            "offline_datasets", "parse_tasks", "require_lm_eval", "task_folder", "task_manager"]
