@@ -153,7 +153,8 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
                     + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else []))
     out = [table("acc ± stderr per task (lm-eval, bundled samples); mean ± stderr (tasks as independent); retention "
                  f"(% of {source or 'the source'}'s mean); vs source: the mean's difference ± its stderr (paired on "
-                 "the same documents where both logged them)" + ("; OOD: perplexity ratio out of domain" if ood else ""),
+                 "the same documents where both logged them)"
+                 + ("; OOD: perplexity ratio out of domain" if ood else ""),
                  ["model", *tasks, "mean acc", "retention", "vs source"] + (["OOD"] if ood else []), rows)]
     if ood:
         rank = ranking(runs, ood)

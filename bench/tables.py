@@ -88,8 +88,8 @@ LISTED = {"--models": "LABEL=PATH ...", "--ood": "LABEL=STEM ..."}
 
 def short_command(data: dict) -> str:
     """The command up to its first ``;`` or ``, then``, without the paths it reads and writes (``--save``,
-    ``--out`` ...) and the ``--choice`` its table names, the values its table lists (``--models`` ...) as a placeholder, and with a bench script named by
-    its file alone (the whole command stays in the file)."""
+    ``--out`` ...) and the ``--choice`` its table names, the values its table lists (``--models`` ...) as a
+    placeholder, and with a bench script named by its file alone (the whole command stays in the file)."""
     command = re.split(r";|, then | \(", str(data.get("command") or "not recorded"))[0]
     command = re.sub(r" --choice (\"[^\"]*\"|'[^']*'|\S+)", "", command)  # the table's first column shows it
     words, out, skip, listing = command.split(), [], False, False

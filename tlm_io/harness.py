@@ -12,6 +12,7 @@ tasks come through ``include_path`` (a task YAML and its data files), any other 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -277,8 +278,6 @@ def check_log_samples(log_samples: bool, output_path) -> None:
 
 def sample_scores(samples_file: str | Path, metric: str = "acc") -> dict[int, float]:
     """{doc_id: the document's ``metric``} of one lm-eval ``samples_TASK_DATE.jsonl`` (``--log-samples``)."""
-    import json
-
     scores = {}
     for line in Path(samples_file).read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
