@@ -136,6 +136,15 @@ def against(run: dict, base: dict | None) -> str | None:
     return f"{run['mean_acc'] - base['mean_acc']:+.3f}" + ("" if err is None else f" ± {err:.3f}")
 
 
+def task_head(task: str, base: dict | None) -> str:
+    """``task (chance)``, with ``above`` where the source's acc is more than 2 stderr above chance."""
+    if task not in CHANCE:
+        return task
+    acc = (base or {}).get("accuracy", {}).get(task, {})
+    above = "acc" in acc and acc["acc"] - CHANCE[task] > 2 * (acc.get("acc_stderr") or 0)
+    return f"{task} ({CHANCE[task]:g}{', above' if above else ''})"
+
+
 def mean_cell(summary: dict) -> str | None:
     mean, err = mean_accuracy(summary), mean_accuracy_stderr(summary)
     return None if mean is None else f"{mean:.3f}" + ("" if err is None else f" ± {err:.3f}")
@@ -150,12 +159,13 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
         retention = None if base is None or not base["mean_acc"] else f"{100 * r['mean_acc'] / base['mean_acc']:.1f}%"
         rows.append([r["label"]] + [cell(r["accuracy"].get(t), "acc") for t in tasks]
                     + [mean_cell(r["accuracy"]), retention, against(r, base)]
-                    + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else []))
-    out = [table("acc ± stderr per task (lm-eval, bundled samples); mean ± stderr (tasks as independent); retention "
-                 f"(% of {source or 'the source'}'s mean); vs source: the mean's difference ± its stderr (paired on "
-                 "the same documents where both logged them)"
-                 + ("; OOD: perplexity ratio out of domain" if ood else ""),
-                 ["model", *tasks, "mean acc", "retention", "vs source"] + (["OOD"] if ood else []), rows)]
+                    + ([f"x{ood[r['label']]:.3f}" if r["label"] in ood else None] if ood else [])
+                    + [f"{r['wall_s']:.0f} / {r['cpu_s']:.0f}", f"{r['peak_rss_mb'] / 1024:.1f}"])
+    out = [table("acc ± stderr per task (head: chance; 'above': the source beats it by > 2 stderr); mean ± stderr; "
+                 "retention; vs source: the mean's difference ± its stderr" + ("; OOD perplexity ratio" if ood else "")
+                 + "; the run's wall / CPU s and peak RSS",
+                 ["model", *(task_head(t, base) for t in tasks), "mean acc", "retention", "vs source"]
+                 + (["OOD"] if ood else []) + ["wall / CPU s", "peak GB"], rows)]
     if ood:
         rank = ranking(runs, ood)
         out.append(table("the models ranked, best first: by mean accuracy and by OOD perplexity ratio",
@@ -173,15 +183,6 @@ def tables(runs: list[dict], source: str | None, ood: dict[str, float] | None = 
     if normed:
         out.append(table("acc_norm ± stderr (length-normalized), where the task has it", ["model", *normed],
                          [[r["label"]] + [cell(r["accuracy"].get(t), "acc_norm") for t in normed] for r in runs]))
-    if base is not None:
-        above = [[t, CHANCE.get(t), cell(base["accuracy"].get(t), "acc"),
-                  (base["accuracy"][t]["acc"] - CHANCE[t] > 2 * (base["accuracy"][t]["acc_stderr"] or 0))
-                  if t in CHANCE and "acc" in base["accuracy"].get(t, {}) else None] for t in tasks]
-        out.append(table(f"{source} against chance (above: acc - chance > 2 stderr)",
-                         ["task", "chance", "acc", "above chance"], above))
-    out.append(table("cost of each run (one process a model)", ["model", "wall s", "CPU s", "peak RSS MB", "items"],
-                     [[r["label"], r["wall_s"], r["cpu_s"], r["peak_rss_mb"],
-                       sum((r["accuracy"][t].get("n") or 0) for t in r["accuracy"])] for r in runs]))
     return out
 
 
@@ -225,7 +226,10 @@ def main(argv=None) -> int:
            "notes": [f"each task's first {args.limit} documents of its bundled sample (drawn at random)" if args.limit
                      else "each task's whole bundled sample",
                      "tasks and items: tlm_io/data/README.md (hellaswag_text and boolq_notitle stand in for lm-eval's "
-                     "hellaswag and boolq); stderr is lm-eval's (binomial, over the sample's items)"]}
+                     "hellaswag and boolq); stderr is lm-eval's (binomial, over the sample's items)",
+                     "the mean's stderr takes the tasks as independent; a difference's stderr is paired (the same "
+                     "documents, each run's logged answers) where both runs logged them, else the two as independent; "
+                     "retention is % of the source's mean; one process a model"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(raw, indent=1) + "\n")
     print(json.dumps({"out": str(args.out), "models": [r["label"] for r in runs]}))

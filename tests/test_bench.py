@@ -431,9 +431,19 @@ def test_the_accuracy_table_shows_each_models_difference_from_the_source_paired(
                 "wall_s": 1.0, "cpu_s": 1.0, "peak_rss_mb": 1}
 
     first = tables([run("source", "1001", "0111"), run("c", "1101", "0011")], "source")[0]
-    assert first["columns"][-2:] == ["retention", "vs source"]
-    assert first["rows"][0][-1] is None  # the source itself
-    assert first["rows"][1][-1] == f"+0.000 ± {math.sqrt(1 / 8) / 2:.3f}"  # +1/4 on x, -1/4 on y
+    at = first["columns"].index("vs source")
+    assert first["columns"][at - 1] == "retention" and first["columns"][-2:] == ["wall / CPU s", "peak GB"]
+    assert first["rows"][0][at] is None  # the source itself
+    assert first["rows"][1][at] == f"+0.000 ± {math.sqrt(1 / 8) / 2:.3f}"  # +1/4 on x, -1/4 on y
+
+
+def test_a_task_head_names_its_chance_and_whether_the_source_beats_it():
+    from bench.eval_suite import task_head
+
+    base = {"accuracy": {"piqa": {"acc": 0.61, "acc_stderr": 0.049}, "boolq_notitle": {"acc": 0.58, "acc_stderr": 0.05}}}
+    assert task_head("piqa", base) == "piqa (0.5, above)"  # 0.11 > 2 x 0.049
+    assert task_head("boolq_notitle", base) == "boolq_notitle (0.5)"  # 0.08 < 2 x 0.05
+    assert task_head("mytask", base) == "mytask"  # no chance level known
 
 
 def test_the_mean_accuracy_stderr_takes_the_tasks_as_independent():
